@@ -1,0 +1,55 @@
+"""Options every command shares, console helpers and progress bars."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+console = Console()
+err_console = Console(stderr=True)
+
+ProjectOpt = Annotated[
+    Optional[Path],
+    typer.Option("-C", "--project", help="Project folder (default: nearest lopd.yaml upward).", show_default=False),
+]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+RecipeOpt = Annotated[
+    Optional[str],
+    typer.Option("--recipe", "-r", help="Recipe path or name in the project's recipes/ (default: the project's)."),
+]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Override a recipe key, e.g. --set train.lr=2e-4 (repeatable)."),
+]
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def progress(transient: bool = False) -> Progress:
+    """A rich progress bar with rate and ETA; quiet when stdout is not a terminal."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=transient,
+    )

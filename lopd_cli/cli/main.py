@@ -1,0 +1,79 @@
+"""Entry point: `lopd …` and `python -m lopd_cli …`.
+
+Errors a user can fix (LopdError) print as one line `error: …` and exit 1; `--debug` anywhere
+on the command line shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import typer
+
+from lopd_cli import __version__
+from lopd_cli.errors import LopdError
+
+app = typer.Typer(
+    name="lopd",
+    help="Latent On-Policy Self-Distillation: make your agent better from its own experience.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Each module defines register(app). Order = order in `lopd --help`.
+COMMAND_MODULES = [
+    "lopd_cli.cli.setup_cmds",
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"lopd {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+) -> None:
+    from lopd_cli.runtime import setup_torch
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    setup_torch()
+
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(_name).register(app)
+
+
+def run(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("LOPD_DEBUG") == "1"
+    try:
+        app(args=argv, prog_name="lopd", standalone_mode=False)
+    except LopdError as e:
+        if debug:
+            raise
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except (typer.Exit, SystemExit) as e:
+        code = getattr(e, "exit_code", getattr(e, "code", 0))
+        sys.exit(code or 0)
+    except Exception as e:  # click usage errors and unexpected failures
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        if debug:
+            raise
+        typer.echo(f"error: {e.__class__.__name__}: {e} (run with --debug for the traceback)", err=True)
+        sys.exit(1)

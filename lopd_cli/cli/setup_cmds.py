@@ -1,0 +1,82 @@
+"""`lopd init`, `lopd models`, `lopd recipe check`: setting a project up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from lopd_cli.cli.common import DebugOpt, JsonOpt, ProjectOpt, SetOpt, console, print_json
+from lopd_cli.errors import LopdError
+
+
+def init(
+    directory: Annotated[Path, typer.Argument(help="Folder for the new project (created if missing).")],
+    example: Annotated[str, typer.Option(help="Starting world: orders, bfcl or code.")] = "orders",
+    model: Annotated[str, typer.Option(help="tiny, smollm2-135m-instruct, or a transformers directory.")] = "tiny",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing project's settings and recipes.")] = False,
+    seed: Annotated[int, typer.Option(help="Project seed.")] = 0,
+    debug: DebugOpt = False,
+) -> None:
+    """Create a project: lopd.yaml, recipes/ (toolcall.yaml and code.yaml always), runs/, models/."""
+    from lopd_cli.scaffold import create_project
+
+    project = create_project(directory, example=example, model=model, force=force, seed=seed)
+    console.print(f"[green]created[/green] lopd project in {project.root}")
+    for r in sorted(project.recipes_dir.glob("*.yaml")):
+        console.print(f"  recipes/{r.name}")
+    console.print(f"next: cd {directory} && lopd bank add-rollouts FILE.jsonl  (or lopd rollout --recipe toolcall -n 64 --to-bank)")
+
+
+def models(as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """List the embedded backbones and embedders: installed or not, and their size."""
+    from lopd_cli.models.inventory import inventory
+
+    rows = inventory()
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(title="embedded models (offline)")
+    for col in ("kind", "name", "installed", "cached", "size", "description"):
+        table.add_column(col)
+    for r in rows:
+        size = f"{r['size_bytes'] / 1e6:.1f} MB" if r["size_bytes"] else "-"
+        table.add_row(r["kind"], r["name"], "yes" if r["installed"] else "no", "yes" if r["cached"] else "no", size, r["description"])
+    console.print(table)
+
+
+recipe_app = typer.Typer(help="Inspect recipes.", no_args_is_help=True)
+
+
+@recipe_app.command("check")
+def recipe_check(
+    recipe: Annotated[str, typer.Argument(help="Recipe path or name in the project's recipes/.")],
+    set_: SetOpt = None,
+    project: ProjectOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Validate a recipe (schema, env class, reward plugin) and print it resolved."""
+    from lopd_cli.config import load_recipe
+    from lopd_cli.plugins import load_env_class, load_reward_fn
+    from lopd_cli.project import find_recipe, open_project
+
+    proj = open_project(project, required=False)
+    path = find_recipe(recipe, proj)
+    r = load_recipe(path, set_ or [])
+    load_env_class(r.env.cls, r.base_dir)
+    if r.reward:
+        load_reward_fn(r.reward, r.base_dir)
+    if as_json:
+        print_json(r.model_dump(mode="json", by_alias=True))
+    else:
+        console.print(f"# {path}: ok", highlight=False)
+        console.print(r.to_yaml(), highlight=False, markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(init)
+    app.command()(models)
+    app.add_typer(recipe_app, name="recipe")

@@ -1,0 +1,221 @@
+"""Recipes: typed, validated YAML with `--set section.key=value` overrides.
+
+A recipe is the only thing that differs between a laptop run with the tiny model and an 8B run
+on GPUs. Defaults are the LOPD paper's (see LOPD.md); unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lopd_cli.errors import LopdError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(Section):
+    r: int = Field(16, ge=1)
+    alpha: float = 32.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: str | list[str] = "all-linear"
+
+
+class ModelSection(Section):
+    backbone: str = "tiny"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    autocast_bf16: bool = False  # bf16 autocast for forward/backward with fp32 master weights
+    student: Literal["lora", "full"] = "lora"
+    lora: LoraConfig = LoraConfig()
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+
+class EnvSection(Section):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    cls: str = Field("lopd_cli.envs.orders:OrdersEnv", alias="class")
+    kwargs: dict[str, Any] = {}
+
+
+class RolloutSection(Section):
+    backend: Literal["hf", "vllm"] = "hf"
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(256, ge=1)
+    max_turns: int = Field(8, ge=1)
+    rollouts_per_step: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=1)  # episodes generated together
+    tool_timeout_s: float = Field(10.0, gt=0)
+    max_prompt_tokens: int = Field(4096, ge=16)
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+
+
+class BankSection(Section):
+    path: str = "bank.sqlite"
+    index_dir: str = "index"
+    embedder: str = "all-minilm-l6-v2"
+    embed_text: Literal["instruction", "instruction+trajectory"] = "instruction"
+    min_reward: float = 0.8
+    n_retrieve: int = Field(3, ge=1)
+    allow_self_retrieval: bool = False
+    obs_char_budget: int = Field(600, ge=20)  # observation-lite: max chars kept per tool output
+    index: Literal["flat", "hnsw"] = "flat"
+    grow: bool = False  # add each step's successful rollouts to the bank while training
+
+
+class ComposerSection(Section):
+    num_queries: int = Field(32, ge=1)  # K latents per retrieved experience
+    depth: int = Field(8, ge=1)
+    ff_mult: int = Field(4, ge=1)
+    share_layers: bool = True
+    encoder_lora: LoraConfig = LoraConfig(r=8, alpha=16.0, dropout=0.0)
+    max_item_tokens: int = Field(1024, ge=16)  # truncation of one rendered reference trajectory
+
+
+class ColdstartSection(Section):
+    steps: int = Field(200, ge=0)
+    batch_size: int = Field(4, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    clip_lora: float = Field(3.0, gt=0)
+    clip_qformer: float = Field(30.0, gt=0)
+    eval_every: int = Field(50, ge=1)
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    seed: int = 0
+
+
+class TrainSection(Section):
+    algo: Literal["lopd", "grpo", "opsd"] = "lopd"
+    steps: int = Field(100, ge=0)
+    lr: float = Field(1e-4, gt=0)  # student; LoRA wants more than the paper's full-FT 1e-5
+    composer_lr: float = Field(1e-5, gt=0)
+    top_m: int = Field(20, ge=1)
+    margin_m: float = 0.05
+    anchor_lambda: float = Field(0.2, ge=0.0)
+    eta_beta: float = Field(0.5, ge=0.0)
+    beta0: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0)
+    freeze_composer: bool = False
+    group_size: int = Field(8, ge=1)  # GRPO: rollouts per task
+    clip_eps: float = Field(0.2, gt=0)  # GRPO ratio clip
+    kl_coef: float = Field(0.0, ge=0.0)  # GRPO: optional KL to the base model
+    micro_batch: int = Field(8, ge=1)  # sequences per forward/backward chunk
+    logit_chunk: int = Field(1024, ge=1)  # tokens per chunk when reading logits
+    save_every: int = Field(50, ge=1)
+    eval_every: int = Field(0, ge=0)  # 0: no periodic validation
+    eval_n: int = Field(32, ge=1)
+    max_nonfinite: int = Field(3, ge=1)
+    tensorboard: bool = False
+    seed: int = 0
+
+
+class EvalSection(Section):
+    split: str = "test"
+    n: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+
+
+class Recipe(Section):
+    name: str | None = None
+    description: str | None = None
+    model: ModelSection = ModelSection()
+    env: EnvSection = EnvSection()
+    reward: str | None = None
+    rollout: RolloutSection = RolloutSection()
+    bank: BankSection = BankSection()
+    composer: ComposerSection = ComposerSection()
+    coldstart: ColdstartSection = ColdstartSection()
+    train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
+
+    # Where the recipe came from: relative plugin paths resolve against its folder.
+    source: Path | None = Field(None, exclude=True)
+
+    @property
+    def base_dir(self) -> Path:
+        return self.source.parent if self.source else Path.cwd()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+
+def _format_error(err: ValidationError, where: str) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        section, _, leaf = key.rpartition(".")
+        what = f"unknown key '{leaf}'" + (f" in section '{section}'" if section else " (not a recipe section)")
+    elif kind == "missing":
+        what = f"missing required key '{key}'"
+    else:
+        what = f"{key}: {first['msg']} (got {first.get('input')!r})"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{where}: {what}{more}"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'train.lr=2e-4' -> (['train', 'lr'], 0.0002); the value is read as YAML."""
+    if "=" not in text:
+        raise LopdError(f"--set {text!r}: expected section.key=value")
+    key, _, raw = text.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise LopdError(f"--set {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise LopdError(f"--set {text!r}: value is not valid YAML ({e.__class__.__name__})") from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise LopdError(f"--set {text!r}: '{p}' is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def recipe_from_dict(data: dict[str, Any], where: str = "recipe", source: Path | None = None) -> Recipe:
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise LopdError(_format_error(e, where)) from None
+    recipe.source = source
+    return recipe
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise LopdError(f"{path}: recipe file not found") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise LopdError(f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise LopdError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file. Errors name the file and the key."""
+    path = Path(path).resolve()
+    data = apply_overrides(read_yaml(path), overrides or [])
+    return recipe_from_dict(data, where=str(path), source=path)

