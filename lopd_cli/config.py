@@ -27,7 +27,7 @@ class LoraConfig(Section):
 
 
 class ModelSection(Section):
-    backbone: str = "tiny"
+    backbone: str  # embedded name (tiny, smollm2-135m-instruct), a directory, or a hub id
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     autocast_bf16: bool = False  # bf16 autocast for forward/backward with fp32 master weights
     student: Literal["lora", "full"] = "lora"
@@ -37,7 +37,7 @@ class ModelSection(Section):
 
 class EnvSection(Section):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    cls: str = Field("lopd_cli.envs.orders:OrdersEnv", alias="class")
+    cls: str = Field(alias="class")  # "package.module:Name" or "file.py:Name"
     kwargs: dict[str, Any] = {}
 
 
@@ -121,8 +121,8 @@ class EvalSection(Section):
 class Recipe(Section):
     name: str | None = None
     description: str | None = None
-    model: ModelSection = ModelSection()
-    env: EnvSection = EnvSection()
+    model: ModelSection  # required: which backbone
+    env: EnvSection  # required: which world
     reward: str | None = None
     rollout: RolloutSection = RolloutSection()
     bank: BankSection = BankSection()
