@@ -90,8 +90,8 @@ def test_merged_export_matches_backbone_plus_adapter(tmp_path, checkpoint):
         import sys, importlib.abc
         class NoLopd(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("lopd_cli", "peft"):
-                    raise ImportError("lopd/peft must not be needed to load an exported model")
+                if name.split(".")[0] == "lopd_cli":
+                    raise ImportError("lopd must not be needed to load an exported model")
         sys.meta_path.insert(0, NoLopd())
         import json, torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -135,3 +135,11 @@ def test_adapter_only_export_loads_with_peft(tmp_path, checkpoint):
     got = prompt_logits(model, check_inputs(tok))
     _, expected = adapter_logits(checkpoint)
     assert max(float((a - b).abs().max()) for a, b in zip(got, expected)) <= 1e-5
+
+
+def test_export_check_failure_is_a_clear_error_and_leaves_nothing(tmp_path, checkpoint):
+    out = tmp_path / "bf16"
+    # bfloat16 weights cannot match float32 backbone + adapter within 1e-4: the check must say so.
+    with pytest.raises(LopdError, match="export check failed"):
+        export_merged(read_checkpoint(checkpoint), out, dtype="bfloat16", atol=1e-4)
+    assert not out.exists()

@@ -1,0 +1,157 @@
+"""Find a training checkpoint and load the deployable student from it.
+
+A checkpoint folder `runs/RUN/checkpoints/step_N/` holds `checkpoint.json`
+(`{"step", "algo", "backbone", "backbone_path", "student": "lora"|"full"}`) and `student/`: a
+peft adapter (LoRA student) or a full transformers directory (full fine-tuning). Everything else
+in it (composer, optimiser state) is for resuming training and is not read here: at deployment
+only the student runs.
+
+`--checkpoint` accepts a run folder (its latest checkpoint), a step folder, a `latest` link or
+text file (`step_N`), a run's `checkpoints/` folder, or the word `latest` (the newest run of the
+project that has a checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from lopd_cli.errors import LopdError
+
+CHECKPOINT_FILE = "checkpoint.json"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path  # the step folder
+    step: int
+    algo: str
+    backbone: str  # the recipe's model.backbone spec
+    backbone_path: str  # resolved absolute path when the checkpoint was written
+    student: str  # "lora" | "full"
+
+    @property
+    def student_dir(self) -> Path:
+        return self.path / "student"
+
+    @property
+    def run_dir(self) -> Path | None:
+        """`runs/RUN/` when the step folder sits in `runs/RUN/checkpoints/`."""
+        parent = self.path.parent
+        return parent.parent if parent.name == "checkpoints" else None
+
+
+def _follow_latest(latest: Path) -> Path:
+    """`latest` is a symlink to step_N or a text file holding `step_N`."""
+    if latest.is_symlink() or latest.is_dir():
+        return latest.resolve()
+    name = latest.read_text().strip()
+    if not name:
+        raise LopdError(f"{latest}: empty (expected the name of a step folder such as step_10)")
+    target = Path(name) if Path(name).is_absolute() else latest.parent / name
+    if not target.is_dir():
+        raise LopdError(f"{latest}: points to {target}, which does not exist")
+    return target.resolve()
+
+
+def _newest_run_checkpoint(runs_dir: Path) -> Path:
+    cands = [d for d in runs_dir.glob("*/checkpoints") if d.is_dir() and any(d.iterdir())]
+    if not cands:
+        raise LopdError(f"--checkpoint latest: no run in {runs_dir} has a checkpoint yet")
+    return max(cands, key=lambda d: d.stat().st_mtime)
+
+
+def resolve_checkpoint(spec: str | Path, runs_dir: Path | None = None) -> Path:
+    """The step folder `spec` names (see the module docstring for the accepted forms)."""
+    p = Path(spec).expanduser()
+    if not p.exists() and str(spec) == "latest" and runs_dir is not None:
+        p = _newest_run_checkpoint(runs_dir)
+    if not p.exists() and not p.is_symlink():
+        raise LopdError(f"checkpoint {spec}: no such file or folder")
+    if p.name == "latest" or (p.is_file() and not (p / CHECKPOINT_FILE).exists()):
+        p = _follow_latest(p)
+    if (p / CHECKPOINT_FILE).is_file():
+        return p.resolve()
+    for ckpts in (p / "checkpoints", p):
+        latest = ckpts / "latest"
+        if latest.exists() or latest.is_symlink():
+            step = _follow_latest(latest)
+            if (step / CHECKPOINT_FILE).is_file():
+                return step
+        steps = sorted(
+            (d for d in ckpts.glob("step_*") if (d / CHECKPOINT_FILE).is_file()),
+            key=lambda d: int(d.name.split("_")[-1]) if d.name.split("_")[-1].isdigit() else -1,
+        )
+        if steps:
+            return steps[-1].resolve()
+    raise LopdError(f"checkpoint {spec}: no {CHECKPOINT_FILE} there, and no checkpoints/latest or step_N inside")
+
+
+def read_checkpoint(step_dir: Path) -> CheckpointInfo:
+    f = Path(step_dir) / CHECKPOINT_FILE
+    try:
+        data = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise LopdError(f"{f}: not found (not a checkpoint folder)") from None
+    except json.JSONDecodeError as e:
+        raise LopdError(f"{f}:{e.lineno}: not valid JSON ({e.msg})") from None
+    missing = [k for k in ("backbone", "student") if k not in data]
+    if missing:
+        raise LopdError(f"{f}: missing key '{missing[0]}'")
+    if data["student"] not in ("lora", "full"):
+        raise LopdError(f"{f}: student must be 'lora' or 'full', got {data['student']!r}")
+    return CheckpointInfo(
+        path=Path(step_dir).resolve(),
+        step=int(data.get("step", 0)),
+        algo=str(data.get("algo", "?")),
+        backbone=str(data["backbone"]),
+        backbone_path=str(data.get("backbone_path") or ""),
+        student=data["student"],
+    )
+
+
+def adapter_dir(info: CheckpointInfo) -> Path:
+    """The folder holding `adapter_config.json`: `student/`, or `student/student/` (what
+    `PeftModel.save_pretrained` writes for an adapter named "student")."""
+    for d in (info.student_dir, info.student_dir / "student"):
+        if (d / "adapter_config.json").is_file():
+            return d
+    raise LopdError(f"{info.student_dir}: no adapter_config.json (checkpoint.json says student: lora)")
+
+
+def backbone_source(info: CheckpointInfo, search_dirs: Iterable[Path] = ()) -> str:
+    """The backbone the checkpoint was trained on: its recorded absolute path when it still
+    exists, else the recipe spec (an embedded name is rebuilt in the cache)."""
+    if info.backbone_path and Path(info.backbone_path).is_dir():
+        return info.backbone_path
+    return info.backbone
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def load_student(info: CheckpointInfo, dtype: str = "float32", device: str = "auto", search_dirs: Iterable[Path] = ()):
+    """(model, tokenizer) of the student alone: backbone + the "student" LoRA adapter (a
+    PeftModel, active adapter "student"), or the full fine-tuned model."""
+    from lopd_cli.models.backbone import load_backbone, load_tokenizer
+
+    search_dirs = list(search_dirs)
+    if info.student == "full":
+        if not (info.student_dir / "config.json").is_file():
+            raise LopdError(f"{info.student_dir}: no config.json (checkpoint.json says student: full)")
+        model, tok = load_backbone(str(info.student_dir), dtype=dtype, device=device)
+        if not _has_tokenizer(info.student_dir):
+            from lopd_cli.models.backbone import resolve_backbone
+
+            tok = load_tokenizer(resolve_backbone(backbone_source(info), search_dirs))
+        return model, tok
+    from peft import PeftModel
+
+    base, tok = load_backbone(backbone_source(info), dtype=dtype, device=device, search_dirs=search_dirs)
+    model = PeftModel.from_pretrained(base, str(adapter_dir(info)), adapter_name="student", is_trainable=False)
+    model.set_adapter("student")
+    model.eval()
+    return model, tok
