@@ -43,21 +43,8 @@ class CheckpointInfo:
         return parent.parent if parent.name == "checkpoints" else None
 
 
-def _follow_latest(latest: Path) -> Path:
-    """`latest` is a symlink to step_N or a text file holding `step_N`."""
-    if latest.is_symlink() or latest.is_dir():
-        return latest.resolve()
-    name = latest.read_text().strip()
-    if not name:
-        raise LopdError(f"{latest}: empty (expected the name of a step folder such as step_10)")
-    target = Path(name) if Path(name).is_absolute() else latest.parent / name
-    if not target.is_dir():
-        raise LopdError(f"{latest}: points to {target}, which does not exist")
-    return target.resolve()
-
-
 def _newest_run_checkpoint(runs_dir: Path) -> Path:
-    cands = [d for d in runs_dir.glob("*/checkpoints") if d.is_dir() and any(d.iterdir())]
+    cands = [d for d in runs_dir.glob("*/checkpoints") if d.is_dir() and any(d.glob("step_*"))]
     if not cands:
         raise LopdError(f"--checkpoint latest: no run in {runs_dir} has a checkpoint yet")
     return max(cands, key=lambda d: d.stat().st_mtime)
@@ -65,28 +52,15 @@ def _newest_run_checkpoint(runs_dir: Path) -> Path:
 
 def resolve_checkpoint(spec: str | Path, runs_dir: Path | None = None) -> Path:
     """The step folder `spec` names (see the module docstring for the accepted forms)."""
+    from lopd_cli.train.checkpoint import resolve_checkpoint as resolve_path
+
     p = Path(spec).expanduser()
-    if not p.exists() and str(spec) == "latest" and runs_dir is not None:
-        p = _newest_run_checkpoint(runs_dir)
     if not p.exists() and not p.is_symlink():
-        raise LopdError(f"checkpoint {spec}: no such file or folder")
-    if p.name == "latest" or (p.is_file() and not (p / CHECKPOINT_FILE).exists()):
-        p = _follow_latest(p)
-    if (p / CHECKPOINT_FILE).is_file():
-        return p.resolve()
-    for ckpts in (p / "checkpoints", p):
-        latest = ckpts / "latest"
-        if latest.exists() or latest.is_symlink():
-            step = _follow_latest(latest)
-            if (step / CHECKPOINT_FILE).is_file():
-                return step
-        steps = sorted(
-            (d for d in ckpts.glob("step_*") if (d / CHECKPOINT_FILE).is_file()),
-            key=lambda d: int(d.name.split("_")[-1]) if d.name.split("_")[-1].isdigit() else -1,
-        )
-        if steps:
-            return steps[-1].resolve()
-    raise LopdError(f"checkpoint {spec}: no {CHECKPOINT_FILE} there, and no checkpoints/latest or step_N inside")
+        if str(spec) == "latest" and runs_dir is not None:
+            p = _newest_run_checkpoint(runs_dir)
+        else:
+            raise LopdError(f"checkpoint {spec}: no such file or folder")
+    return resolve_path(p)
 
 
 def read_checkpoint(step_dir: Path) -> CheckpointInfo:
