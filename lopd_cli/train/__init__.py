@@ -1,0 +1,1 @@
+"""Training: losses, cold start, LOPD/GRPO/OPSD loops, checkpoints."""

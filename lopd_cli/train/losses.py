@@ -1,0 +1,461 @@
+"""LOPD and GRPO losses as pure torch functions (spec: /work/shared/LOPD.md, "Objective").
+
+Layout. Per-position tensors are (B, T, ...) — B sequences, T positions — with a mask
+ω of shape (B, T) (bool or 0/1 float) marking the supervised (assistant/action) tokens.
+Log-probabilities are always float32, whatever the model's dtype.
+
+Pieces:
+- top-M + tail distributions p̃ (M ids, plus one bucket holding 1 − their mass), taken from
+  logits (exact tail: logsumexp over the ids' complement) or from stored log-probs (tail
+  by log1mexp, clamped);
+- the masked reverse KL(p̃^S ‖ p̃^T), with which side is detached made explicit: the student
+  pass trains θ against a detached teacher; the composer pass trains φ through the teacher
+  against a detached student;
+- the privileged margin Δ, the anchor term, the dual step on β and the composer objective;
+- GRPO: group-normalised advantages and the clipped surrogate with an optional k3 KL;
+- chunked forms that take last-layer hidden states and the lm_head and never build logits for
+  more than `chunk_size` positions at once, in the forward or the backward (each chunk is
+  recomputed under `torch.utils.checkpoint`).
+
+Normalisation ("sequence mean"): a per-token quantity v is reduced as
+    mean over sequences b with Σ_t ω_bt > 0 of ( Σ_t ω_bt v_bt / Σ_t ω_bt ),
+i.e. the spec's E[ Σ ω·KL / Σ ω ] with the expectation over sequences (rollouts). Sequences
+with no supervised token are left out of the mean; a batch with none gives 0 (still a graph).
+Exception, as in the spec: Δ is the mean over *all* supervised tokens of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+LMHead = Callable[[Tensor], Tensor] | Tensor
+"""A module/callable mapping hidden states (n, d) to logits (n, V), or a weight (V, d)."""
+
+DEFAULT_CHUNK = 1024
+# Tail from stored log-probs: the top-M log-sum-exp is clamped to at most this, i.e. the tail
+# mass is at least ~1e-7 (below fp32's resolution of 1 − Σp anyway). Same clamp as SDPO.
+_LSE_MAX = -1e-7
+
+
+class MaskedLoss(NamedTuple):
+    loss: Tensor  # scalar, sequence-mean normalised
+    per_token: Tensor  # (B, T), 0 where the mask is 0
+
+
+class GrpoLoss(NamedTuple):
+    loss: Tensor  # scalar, sequence-mean normalised
+    per_token: Tensor  # (B, T) surrogate (+ kl_coef·k3), 0 where the mask is 0
+    clip_fraction: Tensor  # scalar: share of supervised tokens where the clip was active
+    kl: Tensor  # scalar: sequence-mean k3 KL to the reference (0 without one), detached
+
+
+# ----------------------------------------------------------------------------- reductions
+
+
+def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Σ_t ω v / Σ_t ω per sequence, then the mean over sequences that have a supervised token.
+
+    values, mask: (B, T). Masked-out entries are ignored even if they hold NaN/inf.
+    Returns a scalar; 0 (connected to `values`' graph) when nothing is supervised.
+    """
+    w = mask.to(values.dtype)
+    v = torch.where(w != 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    per_seq_weight = w.sum(-1)
+    has_tokens = per_seq_weight > 0
+    per_seq = (v * w).sum(-1) / per_seq_weight.clamp_min(torch.finfo(values.dtype).tiny)
+    n_seq = has_tokens.sum()
+    if n_seq == 0:
+        return v.sum() * 0.0
+    return torch.where(has_tokens, per_seq, torch.zeros_like(per_seq)).sum() / n_seq
+
+
+def token_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Σ_{b,t} ω v / Σ_{b,t} ω over the whole batch (0 when nothing is supervised)."""
+    w = mask.to(values.dtype)
+    v = torch.where(w != 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return (v * w).sum() / w.sum().clamp_min(1.0)
+
+
+# ----------------------------------------------------------------- log-probs from logits
+
+
+def _tail_from_logits(logits: Tensor, lse: Tensor, ids: Tensor) -> Tensor:
+    """log(1 − Σ_{i∈ids} p_i) exactly: logsumexp of the logits outside `ids` minus the full one.
+
+    `ids` must be distinct per position. When they cover the vocabulary the tail is empty and
+    the result is −inf (no gradient), which the KL treats as a zero-mass bucket.
+    """
+    if ids.shape[-1] >= logits.shape[-1]:
+        return torch.full_like(lse, float("-inf"))
+    outside = logits.scatter(-1, ids, torch.finfo(logits.dtype).min)
+    return torch.logsumexp(outside, -1, keepdim=True) - lse
+
+
+def _logprob_parts(
+    logits: Tensor, topm_ids: Tensor | None, token_ids: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    logits = logits.float()
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    topm = token = None
+    if topm_ids is not None:
+        on_ids = logits.gather(-1, topm_ids) - lse
+        topm = torch.cat([on_ids, _tail_from_logits(logits, lse, topm_ids)], -1)
+    if token_ids is not None:
+        token = (logits.gather(-1, token_ids.unsqueeze(-1)) - lse).squeeze(-1)
+    return topm, token
+
+
+def token_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
+    """log softmax(logits)[ids]: logits (..., V), ids (...) -> (...) float32."""
+    return _logprob_parts(logits, None, ids)[1]
+
+
+def topm_tail_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
+    """log p̃ on `ids` plus the tail bucket: logits (..., V), ids (..., M) -> (..., M+1).
+
+    The last entry is log(1 − Σ_{ids} p), computed exactly from the logits outside `ids`
+    (no cancellation, so a peaked distribution keeps its tiny tail); −inf when M ≥ V.
+    """
+    return _logprob_parts(logits, ids, None)[0]
+
+
+def teacher_topm(logits: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """Teacher's top-M: logits (..., V) -> (log p̃^T (..., M'+1) with tail, ids (..., M')).
+
+    M' = min(m, V). Ids are sorted by decreasing probability. No gradient is taken.
+    """
+    with torch.no_grad():
+        m_eff = min(int(m), logits.shape[-1])
+        ids = logits.topk(m_eff, dim=-1).indices
+        return topm_tail_logprobs(logits, ids), ids
+
+
+def append_tail(topm_logprobs: Tensor, vocab_size: int) -> Tensor:
+    """Add the tail bucket to stored top-M log-probs: (..., M) -> (..., M+1).
+
+    For log-probs that come without logits (e.g. an inference server's top-M). The tail is
+    log1mexp(logsumexp) with the log-sum-exp clamped to ≤ −1e-7 (tail mass ≥ ~1e-7), stable
+    in both regimes; −inf when M ≥ vocab_size (the ids cover the vocabulary).
+    """
+    lse = torch.logsumexp(topm_logprobs.float(), -1, keepdim=True)
+    if topm_logprobs.shape[-1] >= vocab_size:
+        return torch.cat([topm_logprobs.float(), torch.full_like(lse, float("-inf"))], -1)
+    x = lse.clamp(max=_LSE_MAX)
+    # log(1 − e^x): expm1 form near 0, log1p form far from it.
+    tail = torch.where(
+        x > -0.6931471805599453,
+        torch.log(-torch.expm1(x)),
+        torch.log1p(-torch.exp(x)),
+    )
+    return torch.cat([topm_logprobs.float(), tail], -1)
+
+
+# ------------------------------------------------------------------------- chunked forms
+
+
+def _logits_fn(lm_head: LMHead) -> Callable[[Tensor], Tensor]:
+    if isinstance(lm_head, Tensor):
+        weight = lm_head
+        return lambda h: F.linear(h, weight)
+    return lm_head
+
+
+def _chunked(
+    hidden: Tensor,
+    lm_head: LMHead,
+    chunk_size: int,
+    mask: Tensor | None,
+    topm_ids: Tensor | None,
+    token_ids: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Run `_logprob_parts` over chunks of positions; checkpoint each chunk when grad is on."""
+    head = _logits_fn(lm_head)
+    lead = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    n = h.shape[0]
+    sel = mask.reshape(-1).nonzero().squeeze(-1) if mask is not None else None
+    if sel is not None:
+        h = h.index_select(0, sel)
+    tids = topm_ids.reshape(n, -1) if topm_ids is not None else None
+    kids = token_ids.reshape(n) if token_ids is not None else None
+    if sel is not None:
+        tids = tids.index_select(0, sel) if tids is not None else None
+        kids = kids.index_select(0, sel) if kids is not None else None
+
+    if isinstance(lm_head, Tensor):
+        head_needs_grad = lm_head.requires_grad
+    elif isinstance(lm_head, torch.nn.Module):
+        head_needs_grad = any(p.requires_grad for p in lm_head.parameters())
+    else:  # an opaque callable may close over trainable weights
+        head_needs_grad = True
+    use_ckpt = torch.is_grad_enabled() and (h.requires_grad or head_needs_grad)
+
+    def run(hc: Tensor, tc: Tensor | None, kc: Tensor | None) -> tuple[Tensor, ...]:
+        topm, token = _logprob_parts(head(hc), tc, kc)
+        return tuple(x for x in (topm, token) if x is not None)
+
+    topm_parts: list[Tensor] = []
+    token_parts: list[Tensor] = []
+    for start in range(0, h.shape[0], max(1, int(chunk_size))):
+        sl = slice(start, start + chunk_size)
+        args = (h[sl], tids[sl] if tids is not None else None, kids[sl] if kids is not None else None)
+        outs = checkpoint(run, *args, use_reentrant=False) if use_ckpt else run(*args)
+        outs = list(outs)
+        if tids is not None:
+            topm_parts.append(outs.pop(0))
+        if kids is not None:
+            token_parts.append(outs.pop(0))
+
+    def assemble(parts: list[Tensor], tail_shape: tuple[int, ...]) -> Tensor:
+        if parts:
+            flat = torch.cat(parts, 0)
+        else:  # nothing to compute: zeros still connected to `hidden` so backward() works
+            flat = h.new_zeros((0, *tail_shape), dtype=torch.float32) + 0.0 * h.float().sum()
+        if sel is not None:
+            # zeros at unsupervised positions (index_copy keeps the gradient to `flat`)
+            full = flat.new_zeros((n, *tail_shape))
+            flat = full.index_copy(0, sel, flat)
+        return flat.reshape(*lead, *tail_shape)
+
+    topm = assemble(topm_parts, (tids.shape[-1] + 1,)) if tids is not None else None
+    token = assemble(token_parts, ()) if kids is not None else None
+    return topm, token
+
+
+def chunked_logprobs(
+    hidden: Tensor,
+    lm_head: LMHead,
+    *,
+    topm_ids: Tensor | None = None,
+    token_ids: Tensor | None = None,
+    mask: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Top-M+tail log-probs on `topm_ids` and/or log-probs of `token_ids`, chunk by chunk.
+
+    hidden (..., d): last-layer hidden states (HF `hidden_states[-1]`, final norm included);
+    lm_head: logits = lm_head(h) for h (n, d) (a module such as `model.lm_head`) or a weight
+    (V, d); topm_ids (..., M); token_ids (...); mask (...): positions to compute — others come
+    back as 0 and cost nothing. Returns (topm (..., M+1) or None, token (...) or None), float32.
+    Logits exist for at most `chunk_size` positions at a time, in the backward too.
+    """
+    return _chunked(hidden, lm_head, chunk_size, mask, topm_ids, token_ids)
+
+
+def chunked_token_logprobs(
+    hidden: Tensor, lm_head: LMHead, ids: Tensor, *, mask: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK
+) -> Tensor:
+    """`token_logprobs` from hidden states, chunked: hidden (..., d), ids (...) -> (...)."""
+    return _chunked(hidden, lm_head, chunk_size, mask, None, ids)[1]
+
+
+def chunked_topm_tail_logprobs(
+    hidden: Tensor, lm_head: LMHead, ids: Tensor, *, mask: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK
+) -> Tensor:
+    """`topm_tail_logprobs` from hidden states, chunked: hidden (..., d), ids (..., M) -> (..., M+1)."""
+    return _chunked(hidden, lm_head, chunk_size, mask, ids, None)[0]
+
+
+def chunked_teacher_topm(
+    hidden: Tensor, lm_head: LMHead, m: int, *, mask: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK
+) -> tuple[Tensor, Tensor]:
+    """`teacher_topm` from hidden states, chunked, without gradient.
+
+    Returns (log p̃^T (..., M'+1), ids (..., M')); positions outside `mask` hold 0 and id 0.
+    """
+    head = _logits_fn(lm_head)
+    with torch.no_grad():
+        lead = hidden.shape[:-1]
+        h = hidden.reshape(-1, hidden.shape[-1])
+        n = h.shape[0]
+        sel = mask.reshape(-1).nonzero().squeeze(-1) if mask is not None else torch.arange(n, device=h.device)
+        lp_out: Tensor | None = None
+        id_out: Tensor | None = None
+        for start in range(0, sel.numel(), max(1, int(chunk_size))):
+            idx = sel[start : start + chunk_size]
+            lp, ids = teacher_topm(head(h.index_select(0, idx)), m)
+            if lp_out is None:
+                lp_out = lp.new_zeros((n, lp.shape[-1]))
+                id_out = ids.new_zeros((n, ids.shape[-1]))
+            lp_out[idx] = lp
+            id_out[idx] = ids
+        if lp_out is None:  # nothing supervised: shapes from (at most) one probe position
+            probe_lp, probe_ids = teacher_topm(head(h[:1]), m)
+            lp_out = probe_lp.new_zeros((n, probe_lp.shape[-1]))
+            id_out = probe_ids.new_zeros((n, probe_ids.shape[-1]))
+        return lp_out.reshape(*lead, -1), id_out.reshape(*lead, -1)
+
+
+# ------------------------------------------------------------------------------ LOPD terms
+
+
+def topm_kl_per_token(student_logprobs: Tensor, teacher_logprobs: Tensor) -> Tensor:
+    """KL(p̃^S ‖ p̃^T) = Σ_k p̃^S_k (log p̃^S_k − log p̃^T_k) over the M+1 buckets: (..., M+1) -> (...).
+
+    A bucket with p̃^S_k = 0 (log −inf, e.g. the empty tail when M ≥ V) contributes exactly 0
+    and no NaN, in value and gradient.
+    """
+    s, t = student_logprobs.float(), teacher_logprobs.float()
+    empty = torch.isneginf(s)
+    zero = torch.zeros((), dtype=s.dtype, device=s.device)
+    s_safe = torch.where(empty, zero, s)
+    t_safe = torch.where(empty, zero, t)
+    terms = torch.where(empty, zero, s_safe.exp() * (s_safe - t_safe))
+    return terms.sum(-1)
+
+
+def topm_reverse_kl(
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    detach: Literal["teacher", "student"] = "teacher",
+) -> MaskedLoss:
+    """L = sequence_mean(KL(p̃^S ‖ p̃^T), ω) on top-M+tail log-probs (B, T, M+1).
+
+    detach="teacher": the student pass (gradient into θ only, teacher is a constant).
+    detach="student": the composer pass, KL(sg[S] ‖ T) (gradient into φ through the teacher).
+    """
+    if detach == "teacher":
+        teacher_logprobs = teacher_logprobs.detach()
+    elif detach == "student":
+        student_logprobs = student_logprobs.detach()
+    else:
+        raise ValueError(f"detach must be 'teacher' or 'student', not {detach!r}")
+    per_token = topm_kl_per_token(student_logprobs, teacher_logprobs)
+    per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
+    return MaskedLoss(sequence_mean(per_token, mask), per_token)
+
+
+def reverse_kl_topm(
+    student_logits: Tensor, teacher_logprobs: Tensor, topm_ids: Tensor, mask: Tensor
+) -> MaskedLoss:
+    """Student-pass loss from full logits: student_logits (B, T, V), teacher (B, T, M+1), ids (B, T, M).
+
+    Same as `topm_reverse_kl(topm_tail_logprobs(student_logits, topm_ids), teacher, mask)`.
+    """
+    return topm_reverse_kl(topm_tail_logprobs(student_logits, topm_ids), teacher_logprobs, mask)
+
+
+def chunked_reverse_kl(
+    student_hidden: Tensor,
+    lm_head: LMHead,
+    teacher_logprobs: Tensor,
+    topm_ids: Tensor,
+    mask: Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> MaskedLoss:
+    """`reverse_kl_topm` from the student's hidden states (B, T, d), chunked in forward and backward."""
+    student = chunked_topm_tail_logprobs(student_hidden, lm_head, topm_ids, mask=mask, chunk_size=chunk_size)
+    return topm_reverse_kl(student, teacher_logprobs, mask)
+
+
+def privileged_margin(
+    teacher_token_logprobs: Tensor, student_token_logprobs: Tensor, reward: Tensor, mask: Tensor
+) -> Tensor:
+    """Δ = token_mean over all supervised tokens of A(τ)·δ, δ = log π^T(a) − sg[log π^S(a)].
+
+    teacher/student token log-probs (B, T) of the taken actions; reward (B,) with A = 2r − 1
+    (∈ [−1, 1] for r ∈ [0, 1]). Gradient flows into the teacher side only. 0 if nothing is
+    supervised.
+    """
+    delta = teacher_token_logprobs.float() - student_token_logprobs.detach().float()
+    advantage = (2.0 * reward.to(delta) - 1.0).unsqueeze(-1)
+    return token_mean(advantage * delta, mask)
+
+
+def anchor_loss(latents: Tensor, latents0: Tensor) -> Tensor:
+    """‖c − sg[c0]‖² as a mean over every element (= F.mse_loss).
+
+    latents, latents0: (..., K, d), e.g. (B, n_ret·K, d). The spec writes a squared norm; we
+    divide it by the number of elements (K·d per task, then average over tasks) so the term is
+    a per-coordinate squared drift whose size does not grow with d or K: λ = 0.2 means the
+    same at d = 128 and d = 4096. Gradient flows into `latents` only.
+    """
+    return F.mse_loss(latents.float(), latents0.detach().float())
+
+
+def dual_update(beta: float, margin_m: float, delta: float | Tensor, eta: float) -> float:
+    """β ← max(0, β + η (m − Δ)): β grows while Δ < m and decays to 0 once Δ > m."""
+    d = float(delta.detach()) if isinstance(delta, Tensor) else float(delta)
+    return max(0.0, float(beta) + float(eta) * (float(margin_m) - d))
+
+
+def composer_objective(
+    kl_sg_student: Tensor,
+    beta: float,
+    margin_m: float,
+    delta: Tensor,
+    anchor: Tensor,
+    anchor_lambda: float,
+) -> Tensor:
+    """Composer loss KL(sg[S] ‖ T) + β (m − Δ) + λ · anchor (β is a constant here)."""
+    return kl_sg_student + float(beta) * (float(margin_m) - delta) + float(anchor_lambda) * anchor
+
+
+# ------------------------------------------------------------------------------------ GRPO
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """(r − mean_g) / (std_g + eps) per group of rollouts of the same task.
+
+    rewards (N,), group_ids (N,) any integers. std_g is the unbiased sample std (as TRL's
+    GRPO); a group of one rollout gets advantage 0. Returns (N,) float32, no gradient.
+    """
+    r = rewards.detach().float()
+    _, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n = counts.to(r.dtype)
+    mean = torch.zeros_like(n).index_add_(0, inv, r) / n
+    centred = r - mean[inv]
+    sq = torch.zeros_like(n).index_add_(0, inv, centred * centred)
+    std = torch.where(n > 1, (sq / (n - 1).clamp_min(1.0)).sqrt(), torch.zeros_like(n))
+    return centred / (std[inv] + eps)
+
+
+def grpo_loss(
+    new_logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> GrpoLoss:
+    """Clipped PPO/GRPO surrogate, sequence-mean normalised like the KL.
+
+    new/old/ref log-probs (B, T) of the taken tokens; advantages (B,) (one per rollout) or
+    (B, T). Per token: −min(ρ A, clip(ρ, 1−ε, 1+ε) A) with ρ = exp(new − old), plus
+    kl_coef · k3 where k3 = exp(ref − new) − (ref − new) − 1 (≥ 0, unbiased KL(new‖ref)
+    estimator). old, ref and advantages are treated as constants.
+    """
+    new = new_logprobs.float()
+    old = old_logprobs.detach().float()
+    adv = advantages.detach().float()
+    if adv.dim() == new.dim() - 1:
+        adv = adv.unsqueeze(-1)
+    ratio = torch.exp(new - old)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    kl_tok = torch.zeros_like(per_token)
+    if ref_logprobs is not None:
+        log_r = ref_logprobs.detach().float() - new
+        kl_tok = torch.exp(log_r) - log_r - 1.0
+        if kl_coef:
+            per_token = per_token + kl_coef * kl_tok
+    m = mask.bool()
+    per_token = torch.where(m, per_token, torch.zeros_like(per_token))
+    was_clipped = (clipped < unclipped).float()  # min picked the clipped branch
+    return GrpoLoss(
+        loss=sequence_mean(per_token, mask),
+        per_token=per_token,
+        clip_fraction=token_mean(was_clipped, mask).detach(),
+        kl=sequence_mean(kl_tok.detach(), mask),
+    )
