@@ -1,0 +1,1 @@
+"""Built-in environments (worlds the agent acts in)."""
