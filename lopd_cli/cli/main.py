@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "lopd_cli.cli.setup_cmds",
     "lopd_cli.cli.bank_cmds",
     "lopd_cli.cli.export_cmds",
+    "lopd_cli.cli.report_cmds",
 ]
 
 

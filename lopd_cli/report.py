@@ -1,0 +1,265 @@
+"""Training curves and final figures of one or more runs (`lopd report`).
+
+Reads `runs/RUN/recipe.yaml` and `runs/RUN/metrics.jsonl`. Runs with the same recipe `name`
+and algorithm are one group; their seeds (`train.seed`) are averaged and drawn as mean ± 95 %
+t-band (a single seed is a plain line). Panels: training success and reward against
+`rollouts_total` (rollouts are the cost that matters), validation success against
+`rollouts_total` (rows with `"split": "validation"`), and β, Δ (with the margin m) and KL
+against `step`. Keys a run did not log (GRPO has no β or Δ) are simply absent from its panels.
+
+What it simplifies: seeds are aligned on the x values all of them logged; where none are
+common (runs cut at different points) every logged x is used with the seeds present there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from lopd_cli.errors import LopdError
+from lopd_cli.evaluate import markdown_table, mean_interval
+
+
+@dataclass(frozen=True)
+class Panel:
+    key: str  # metrics.jsonl key
+    x: str  # "rollouts_total" or "step"
+    title: str
+    validation: bool = False  # read the validation rows instead of the training rows
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("success", "rollouts_total", "training success"),
+    Panel("reward", "rollouts_total", "training reward"),
+    Panel("eval/success", "rollouts_total", "validation success", validation=True),
+    Panel("beta", "step", "β (dual variable)"),
+    Panel("delta", "step", "Δ (privileged margin)"),
+    Panel("kl", "step", "KL(student ‖ teacher)"),
+)
+
+
+@dataclass
+class Run:
+    path: Path
+    group: str
+    seed: int
+    margin_m: float | None
+    train: list[dict[str, Any]]
+    validation: list[dict[str, Any]]
+
+
+@dataclass
+class Series:
+    group: str
+    x: list[float]
+    mean: list[float]
+    low: list[float | None]
+    high: list[float | None]
+    seeds: int
+
+
+@dataclass
+class Report:
+    figure: Any  # matplotlib Figure
+    series: dict[str, list[Series]]  # panel key → one series per group
+    header: list[str]
+    rows: list[list[str]]
+    final: dict[str, dict[str, Any]] = field(default_factory=dict)  # group → figures (for --json)
+
+    @property
+    def markdown(self) -> str:
+        return markdown_table(self.header, self.rows)
+
+
+def _read_recipe(path: Path) -> dict[str, Any]:
+    f = path / "recipe.yaml"
+    if not f.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(f.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise LopdError(f"{f}: not valid YAML ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    f = path / "metrics.jsonl"
+    if not f.is_file():
+        raise LopdError(f"{path}: no metrics.jsonl (is this a run folder, runs/RUN/?)")
+    rows = []
+    lines = f.read_text().splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            # The last line of a run still being written may be cut off.
+            if i == len(lines):
+                continue
+            raise LopdError(f"{f}:{i}: not valid JSON") from None
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def load_run(path: Path) -> Run:
+    path = Path(path)
+    recipe = _read_recipe(path)
+    train_sec = recipe.get("train") or {}
+    name = recipe.get("name") or path.name
+    algo = train_sec.get("algo", "lopd")
+    rows = _read_metrics(path)
+    return Run(
+        path=path,
+        group=f"{name} · {algo}",
+        seed=int(train_sec.get("seed", 0)),
+        margin_m=float(train_sec["margin_m"]) if algo == "lopd" and "margin_m" in train_sec else (0.05 if algo == "lopd" else None),
+        train=[r for r in rows if r.get("split") != "validation"],
+        validation=[r for r in rows if r.get("split") == "validation"],
+    )
+
+
+def group_runs(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.group, []).append(r)
+    return groups
+
+
+def _points(rows: list[dict[str, Any]], key: str, x_key: str) -> dict[float, float]:
+    out = {}
+    for row in rows:
+        x, y = row.get(x_key), row.get(key)
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+            out[float(x)] = float(y)  # a repeated x (resume) keeps the last value
+    return out
+
+
+def aggregate(runs: Sequence[Run], panel: Panel) -> Series | None:
+    """Mean ± 95 % t-band across the runs (seeds) of one group, or None if none logged it."""
+    per_run = [_points(r.validation if panel.validation else r.train, panel.key, panel.x) for r in runs]
+    per_run = [p for p in per_run if p]
+    if not per_run:
+        return None
+    common = set.intersection(*(set(p) for p in per_run))
+    xs = sorted(common or set().union(*per_run))
+    mean, low, high = [], [], []
+    for x in xs:
+        iv = mean_interval([p[x] for p in per_run if x in p])
+        mean.append(iv.estimate)
+        low.append(iv.low)
+        high.append(iv.high)
+    return Series(runs[0].group, xs, mean, low, high, seeds=len(per_run))
+
+
+def _final_value(rows: list[dict[str, Any]], key: str, last: int = 1) -> float | None:
+    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    if not vals:
+        return None
+    tail = vals[-last:]
+    return sum(tail) / len(tail)
+
+
+FINAL_COLUMNS = (
+    # (label, key, rows, how many last rows to average)
+    ("success (last 5 steps)", "success", "train", 5),
+    ("reward (last 5 steps)", "reward", "train", 5),
+    ("validation success", "eval/success", "validation", 1),
+    ("β", "beta", "train", 1),
+    ("Δ", "delta", "train", 1),
+    ("KL", "kl", "train", 1),
+)
+
+
+def final_figures(groups: dict[str, list[Run]]) -> tuple[list[str], list[list[str]], dict[str, dict[str, Any]]]:
+    header = ["run group", "seeds", "steps", "rollouts"] + [c[0] for c in FINAL_COLUMNS]
+    rows, data = [], {}
+    for group, runs in groups.items():
+        steps = [_final_value(r.train, "step") for r in runs]
+        rollouts = [_final_value(r.train, "rollouts_total") for r in runs]
+        entry: dict[str, Any] = {
+            "runs": [str(r.path) for r in runs],
+            "seeds": sorted(r.seed for r in runs),
+            "steps": max((s for s in steps if s is not None), default=None),
+            "rollouts_total": max((s for s in rollouts if s is not None), default=None),
+        }
+        row = [group, str(len(runs)), _fmt_num(entry["steps"], 0), _fmt_num(entry["rollouts_total"], 0)]
+        for label, key, which, last in FINAL_COLUMNS:
+            vals = [v for r in runs if (v := _final_value(getattr(r, which), key, last)) is not None]
+            iv = mean_interval(vals)
+            entry[key] = iv.to_dict()
+            if iv.estimate is None:
+                row.append("-")
+            elif iv.half_width is None:
+                row.append(f"{iv.estimate:.3f}")
+            else:
+                row.append(f"{iv.estimate:.3f} ± {iv.half_width:.3f}")
+        rows.append(row)
+        data[group] = entry
+    return header, rows, data
+
+
+def _fmt_num(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def build_report(run_dirs: Sequence[Path]) -> Report:
+    """Load the runs, plot every panel and compute the final-figures table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not run_dirs:
+        raise LopdError("give at least one run folder (runs/RUN)")
+    runs = [load_run(Path(d)) for d in run_dirs]
+    groups = group_runs(runs)
+    colours = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(groups)}
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9), constrained_layout=True)
+    series: dict[str, list[Series]] = {}
+    for ax, panel in zip(axes.flat, PANELS):
+        series[panel.key] = []
+        for group, members in groups.items():
+            s = aggregate(members, panel)
+            if s is None:
+                continue
+            series[panel.key].append(s)
+            label = f"{group} (n={s.seeds})" if s.seeds > 1 else group
+            marker = "o" if panel.validation or len(s.x) < 25 else None
+            ax.plot(s.x, s.mean, color=colours[group], label=label, marker=marker, markersize=3)
+            lo_clip, hi_clip = (0.0, 1.0) if "success" in panel.key else (-float("inf"), float("inf"))
+            band = [(x, max(lo, lo_clip), min(hi, hi_clip)) for x, lo, hi in zip(s.x, s.low, s.high) if lo is not None]
+            if band:
+                bx, blo, bhi = zip(*band)
+                ax.fill_between(bx, blo, bhi, color=colours[group], alpha=0.2, linewidth=0)
+        if panel.key == "delta":
+            margins = {r.margin_m for r in runs if r.margin_m is not None and any("delta" in row for row in r.train)}
+            for m in sorted(margins):
+                ax.axhline(m, color="grey", linestyle="--", linewidth=1, label=f"margin m = {m:g}")
+        ax.set_title(panel.title)
+        ax.set_xlabel("rollouts" if panel.x == "rollouts_total" else "step")
+        ax.set_ylabel(panel.key)
+        ax.grid(alpha=0.3)
+        if panel.key in ("success", "eval/success"):
+            ax.set_ylim(-0.02, 1.02)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+    fig.suptitle(f"lopd report: {len(runs)} run(s), {len(groups)} group(s); bands = 95 % t-interval over seeds")
+    header, rows, final = final_figures(groups)
+    return Report(fig, series, header, rows, final)
+
+
+def write_report(run_dirs: Sequence[Path], out: Path) -> Report:
+    report = build_report(run_dirs)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report.figure.savefig(out, dpi=110)
+    return report
