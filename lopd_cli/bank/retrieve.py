@@ -88,7 +88,13 @@ class Retriever:
         ex_i = [{s.strip() for s in x} for x in (exclude_instructions_per_query or [()] * n)]
         if len(ex_t) != n or len(ex_i) != n:
             raise ValueError("one exclusion list per query is needed")
-        vecs = self.embed(list(queries))
+        return self.retrieve_vectors(self.embed(list(queries)), k, ex_t, ex_i)
+
+    def retrieve_vectors(self, vecs: np.ndarray, k: int, ex_t: Sequence[set], ex_i: Sequence[set]) -> list[list[BankItem]]:
+        """The search behind `retrieve_many`, for query vectors already embedded (normalised)."""
+        n = len(vecs)
+        if k <= 0 or len(self.index) == 0:
+            return [[] for _ in range(n)]
         cache: dict[int, BankItem] = {}
         fetch = k + OVERFETCH + max(len(x) for x in ex_t) + max(len(x) for x in ex_i)
         scores, ids = self.index.search(vecs, fetch)
