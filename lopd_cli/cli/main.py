@@ -27,8 +27,11 @@ app = typer.Typer(
 COMMAND_MODULES = [
     "lopd_cli.cli.setup_cmds",
     "lopd_cli.cli.bank_cmds",
+    "lopd_cli.cli.eval_cmds",
     "lopd_cli.cli.export_cmds",
     "lopd_cli.cli.report_cmds",
+    "lopd_cli.cli.coldstart_cmds",
+    "lopd_cli.cli.train_cmds",
 ]
 
 

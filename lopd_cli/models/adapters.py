@@ -143,9 +143,10 @@ def teacher_view(model) -> Iterator:
 
 
 @contextmanager
-def use_encoder(model) -> Iterator:
-    """The composer encoder ψ: backbone + "encoder" adapter."""
-    with _active(model, ENCODER):
+def use_encoder(model, name: str = ENCODER) -> Iterator:
+    """The composer encoder ψ: backbone + "encoder" adapter (or another encoder-type adapter,
+    e.g. a frozen copy of the cold-start encoder loaded under its own name)."""
+    with _active(model, name):
         yield model
 
 
@@ -174,6 +175,17 @@ def save_adapter(model, name: str, out_dir: Path) -> Path:
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out_dir / "adapter_model.safetensors"))
     model.peft_config[name].save_pretrained(str(out_dir))
     return out_dir
+
+
+def add_frozen_adapter(model, name: str, src_dir: Path) -> None:
+    """Load a saved adapter under a new name, without gradients and without changing the active
+    adapter or anyone's requires_grad."""
+    if name in adapter_names(model):
+        raise LopdError(f"adapter '{name}' already exists on this backbone")
+    with _keep_grad_flags(model):
+        model.load_adapter(str(src_dir), adapter_name=name, is_trainable=False)
+    for p in adapter_parameters(model, name):
+        p.requires_grad_(False)
 
 
 def load_adapter_weights(model, name: str, src_dir: Path) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lopd_cli.errors import LopdError
-from lopd_cli.models.adapters import ENCODER, load_adapter_weights, save_adapter, use_encoder
+from lopd_cli.models.adapters import ENCODER, add_frozen_adapter, load_adapter_weights, save_adapter, use_encoder
 
 TASK_HEAD = "Task to solve:\n"
 TASK_TAIL = "\n\nReference past trajectory:\n"
@@ -39,7 +39,7 @@ FORMAT_VERSION = 1
 class ReferenceItem(Protocol):
     """What the composer reads from a bank item (lopd_cli.bank BankItem fits)."""
 
-    id: str
+    id: int | str
     messages: list[dict]
     tools: list[dict] | None
 
@@ -166,11 +166,13 @@ class Composer(nn.Module):
     """c_φ for a batch of tasks. Holds χ as a submodule; the backbone (with its "encoder" adapter)
     is referenced, not owned, so `state_dict()` is χ alone."""
 
-    def __init__(self, model, tokenizer, composer_cfg, obs_char_budget: int = 600, encode_batch_size: int = 8):
+    def __init__(self, model, tokenizer, composer_cfg, obs_char_budget: int = 600, encode_batch_size: int = 8,
+                 adapter: str = ENCODER):
         super().__init__()
-        if ENCODER not in getattr(model, "peft_config", {}):
-            raise LopdError("the backbone has no 'encoder' adapter: call models.adapters.attach_adapters first")
+        if adapter not in getattr(model, "peft_config", {}):
+            raise LopdError(f"the backbone has no '{adapter}' adapter: call models.adapters.attach_adapters first")
         self._backbone = [model]  # a list so nn.Module does not register it
+        self.adapter = adapter
         self.tokenizer = tokenizer
         self.max_item_tokens = composer_cfg.max_item_tokens
         self.obs_char_budget = obs_char_budget
@@ -214,7 +216,7 @@ class Composer(nn.Module):
             ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
             mask[i, : len(s)] = 1
         positions = torch.arange(longest, device=device).unsqueeze(0).expand(len(chunk), -1)
-        with use_encoder(self.backbone):
+        with use_encoder(self.backbone, self.adapter):
             hidden = decoder_of(self.backbone)(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
             ).last_hidden_state
@@ -259,15 +261,18 @@ class Composer(nn.Module):
         out_dir.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.resampler.state_dict().items()}
         save_file(state, str(out_dir / QFORMER_FILE))
-        save_adapter(self.backbone, ENCODER, out_dir / ENCODER_DIR)
+        save_adapter(self.backbone, self.adapter, out_dir / ENCODER_DIR)
         manifest = self.manifest(backbone_fingerprint(self.backbone), embedder_fingerprint) | (extra or {})
         (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
         return out_dir
 
     @classmethod
-    def load(cls, src_dir: Path, model, tokenizer, composer_cfg=None, encode_batch_size: int = 8) -> "Composer":
+    def load(cls, src_dir: Path, model, tokenizer, composer_cfg=None, encode_batch_size: int = 8,
+             adapter: str = ENCODER, frozen: bool = False) -> "Composer":
         """A saved composer onto this (adapter-carrying) backbone. The manifest's dims win over the
-        recipe's; a composer saved for another backbone is a LopdError."""
+        recipe's; a composer saved for another backbone is a LopdError. With `frozen=True` the
+        encoder adapter is added under the new name `adapter` (e.g. "encoder0" for the cold-start
+        composer the anchor term needs) and nothing of it is trainable."""
         from safetensors.torch import load_file
 
         from lopd_cli.config import ComposerSection
@@ -292,12 +297,17 @@ class Composer(nn.Module):
                 "max_item_tokens": manifest.get("max_item_tokens", base.max_item_tokens),
             }
         )
-        composer = cls(model, tokenizer, cfg, manifest.get("obs_char_budget", 600), encode_batch_size)
+        if frozen:
+            add_frozen_adapter(model, adapter, src_dir / ENCODER_DIR)
+        composer = cls(model, tokenizer, cfg, manifest.get("obs_char_budget", 600), encode_batch_size, adapter)
         if asdict(composer.dims) != dims:
             raise LopdError(f"{src_dir / MANIFEST}: dims {dims} do not fit this backbone ({asdict(composer.dims)})")
         state = load_file(str(src_dir / QFORMER_FILE), device=str(composer.resampler.queries.device))
         composer.resampler.load_state_dict(state)
-        load_adapter_weights(model, ENCODER, src_dir / ENCODER_DIR)
+        if frozen:
+            composer.requires_grad_(False)
+        else:
+            load_adapter_weights(model, adapter, src_dir / ENCODER_DIR)
         composer.loaded_manifest = manifest
         return composer
 

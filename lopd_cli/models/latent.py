@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -81,9 +81,16 @@ class TeacherBatch:
         return TeacherBatch(**fields)
 
 
-def build_teacher_batch(episodes: Sequence, tokenizer, n_latents: int) -> TeacherBatch:
+def build_teacher_batch(episodes: Sequence, tokenizer, n_latents: int,
+                        prompt_fn: Callable[[int, object], list[int]] | None = None) -> TeacherBatch:
     """Teacher sequences for student episodes (`lopd_cli.agent.types.Episode`: input_ids,
-    action_mask, prompt_len, prompt_messages, task.tools)."""
+    action_mask, prompt_len, prompt_messages, task.tools).
+
+    `prompt_fn(b, episode) -> teacher prompt ids` replaces the latent reference block with
+    another privileged prompt (OPSD: retrieved trajectories as plain text); then n_latents must
+    be 0 and the latent mask is empty. The alignment of action tokens is the same either way."""
+    if prompt_fn is not None and n_latents:
+        raise ValueError("prompt_fn builds a text-only teacher prompt: pass n_latents=0")
     pad = tokenizer.pad_token_id or 0
     rows, latent_rows, offsets = [], [], []
     b_idx, s_pos, t_pos, toks = [], [], [], []
@@ -96,7 +103,10 @@ def build_teacher_batch(episodes: Sequence, tokenizer, n_latents: int) -> Teache
                 f"episode {b} ({ep.task.id}): input_ids[:prompt_len] is not the rendered prompt; "
                 "the transcript was tokenised differently from lopd_cli.agent.chat.render_prompt_ids"
             )
-        prompt, at = teacher_prompt_ids(tokenizer, ep.prompt_messages, ep.task.tools, n_latents)
+        if prompt_fn is not None:
+            prompt, at = list(prompt_fn(b, ep)), 0
+        else:
+            prompt, at = teacher_prompt_ids(tokenizer, ep.prompt_messages, ep.task.tools, n_latents)
         offset = len(prompt) - ep.prompt_len
         rows.append(prompt + list(ep.input_ids[ep.prompt_len:]))
         latent_rows.append((at, at + n_latents))
@@ -149,3 +159,20 @@ def action_token_logprobs(logits: torch.Tensor, batch_index: torch.Tensor, posit
     """log p(token at `positions`) from (B, T, V) logits: logits at position p-1 predict p."""
     rows = logits[batch_index, positions - 1].float()
     return torch.log_softmax(rows, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def teacher_hidden(model, batch: TeacherBatch, latents: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (B, T, d) of the teacher (adapters off, c_φ in the placeholders);
+    gradients reach `latents`. Feed rows at `teacher_pos − 1` to the lm_head (chunked)."""
+    from lopd_cli.models.adapters import teacher_view
+    from lopd_cli.models.composer import decoder_of
+
+    with teacher_view(model):
+        embeds = teacher_inputs_embeds(model, batch.input_ids, latents, batch.latent_mask)
+        return decoder_of(model)(inputs_embeds=embeds, attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
+
+
+def output_head(model):
+    """The LM head (hidden → logits) of a causal LM, peft-wrapped or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_output_embeddings()

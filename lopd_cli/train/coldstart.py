@@ -1,0 +1,301 @@
+"""Cold start (LOPD.md, "Cold start"): SFT of the composer φ = (ψ, χ) with the backbone frozen.
+
+For a successful bank rollout τ of task x, retrieve n_ret other successful rollouts (never of
+x's own task or instruction), compose c_φ, and train φ so the teacher — the frozen backbone with
+c_φ in its prompt — gives τ's action tokens high likelihood: loss = mean NLL over those tokens.
+AdamW over χ and the encoder LoRA, each clipped by its own norm (`coldstart.clip_qformer`,
+`coldstart.clip_lora`). Held-out successful rollouts (whole tasks, `coldstart.val_fraction`)
+give the validation NLL every `coldstart.eval_every` steps.
+
+Output in the run folder: composer/ (qformer.safetensors, encoder/ adapter, manifest.json,
+latents0.safetensors = the c_φ0 cache for the env's training tasks), metrics.jsonl,
+recipe.yaml, summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from lopd_cli.agent.chat import render_prompt_ids, tokenize_transcript
+from lopd_cli.agent.types import Episode, Task
+from lopd_cli.errors import LopdError
+from lopd_cli.models.composer import Composer
+from lopd_cli.models.latent import TeacherBatch, build_teacher_batch, output_head, teacher_hidden
+from lopd_cli.models.latent_cache import LatentCache
+from lopd_cli.train.losses import chunked_token_logprobs
+
+COMPOSER_DIR = "composer"
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def item_episode(tokenizer, item, max_tokens: int | None = None) -> Episode | None:
+    """A bank item as a tokenised transcript (prompt = everything before the first assistant
+    turn). None when it has no assistant turn or is longer than `max_tokens`."""
+    msgs = item.messages
+    first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), None)
+    if not first:
+        return None
+    tools = item.tools or None
+    ids, mask = tokenize_transcript(tokenizer, msgs, tools)
+    if max_tokens is not None and len(ids) > max_tokens:
+        return None
+    prompt = msgs[:first]
+    task = Task(id=str(item.task_id or f"bank-{item.id}"), instruction=item.instruction, tools=item.tools or [])
+    return Episode(task=task, prompt_messages=prompt, messages=msgs, reward=item.reward, input_ids=ids,
+                   action_mask=mask, prompt_len=len(render_prompt_ids(tokenizer, prompt, tools)),
+                   meta={"bank_id": item.id})
+
+
+def task_key(item) -> str:
+    return str(item.task_id) if item.task_id else item.instruction.strip()
+
+
+def split_by_task(items: Sequence, val_fraction: float, seed: int) -> tuple[list, list]:
+    """Held-out rollouts are whole tasks, so validation never sees a task it trained on."""
+    keys = sorted({task_key(it) for it in items})
+    random.Random(seed).shuffle(keys)
+    n_val = int(round(len(keys) * val_fraction))
+    if val_fraction > 0 and len(keys) >= 2:
+        n_val = max(1, min(n_val, len(keys) - 1))
+    val_keys = set(keys[:n_val])
+    return [it for it in items if task_key(it) not in val_keys], [it for it in items if task_key(it) in val_keys]
+
+
+def retrieve_references(retriever, items: Sequence, n_ret: int) -> list[list]:
+    """n_ret references per target item, excluding its own task id and instruction."""
+    refs = retriever.retrieve_many(
+        [it.instruction for it in items],
+        n_ret,
+        [[it.task_id] if it.task_id else [] for it in items],
+        [[it.instruction] for it in items],
+    )
+    return refs
+
+
+@dataclass
+class Example:
+    episode: Episode
+    refs: list
+
+
+def make_examples(tokenizer, retriever, items: Sequence, n_ret: int, max_tokens: int | None) -> list[Example]:
+    refs = retrieve_references(retriever, items, n_ret)
+    out = []
+    for it, r in zip(items, refs):
+        if len(r) < n_ret:
+            continue
+        ep = item_episode(tokenizer, it, max_tokens)
+        if ep is not None and sum(ep.action_mask) > 0:
+            out.append(Example(ep, r))
+    return out
+
+
+# ------------------------------------------------------------------------------ the teacher's NLL
+
+
+def teacher_token_logprobs(model, batch: TeacherBatch, latents: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """log p_teacher of every action token in `batch` (flattened, TeacherBatch order)."""
+    hidden = teacher_hidden(model, batch, latents)
+    rows = hidden[batch.batch_index, batch.teacher_pos - 1]
+    return chunked_token_logprobs(rows, output_head(model), batch.token_ids, chunk_size=chunk_size)
+
+
+def plain_teacher_token_logprobs(model, episodes: Sequence[Episode], chunk_size: int = 1024) -> torch.Tensor:
+    """The same tokens scored by the frozen backbone with no reference block at all."""
+    from lopd_cli.models.adapters import teacher_view
+    from lopd_cli.models.composer import decoder_of
+
+    device = next(model.parameters()).device
+    T = max(len(e.input_ids) for e in episodes)
+    ids = torch.zeros((len(episodes), T), dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    b_idx, pos, toks = [], [], []
+    for b, e in enumerate(episodes):
+        ids[b, : len(e.input_ids)] = torch.tensor(e.input_ids, device=device)
+        attn[b, : len(e.input_ids)] = 1
+        for i, m in enumerate(e.action_mask):
+            if m:
+                b_idx.append(b)
+                pos.append(i)
+                toks.append(e.input_ids[i])
+    with teacher_view(model):
+        hidden = decoder_of(model)(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    rows = hidden[torch.tensor(b_idx, device=device), torch.tensor(pos, device=device) - 1]
+    return chunked_token_logprobs(rows, output_head(model), torch.tensor(toks, device=device), chunk_size=chunk_size)
+
+
+def same_norm_random(latents: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Gaussian directions scaled to each latent's own norm."""
+    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
+    return noise / noise.norm(dim=-1, keepdim=True) * latents.norm(dim=-1, keepdim=True)
+
+
+def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example], mode: str = "learned",
+                batch_size: int = 8, seed: int = 0) -> float:
+    """Per-token NLL of the examples' action tokens under the teacher, no grad.
+
+    mode: "learned" (c_φ of the retrieved items), "random" (random latents with c_φ's per-row
+    norms), "none" (no reference block)."""
+    gen = torch.Generator().manual_seed(seed)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start : start + batch_size]
+            eps = [ex.episode for ex in chunk]
+            if mode == "none":
+                lp = plain_teacher_token_logprobs(model, eps)
+            else:
+                latents = composer([ex.refs for ex in chunk], [e.task.instruction for e in eps])
+                if mode == "random":
+                    latents = same_norm_random(latents, gen)
+                elif mode != "learned":
+                    raise ValueError(f"unknown mode {mode!r}")
+                batch = build_teacher_batch(eps, tokenizer, latents.shape[1]).to(latents.device)
+                lp = teacher_token_logprobs(model, batch, latents)
+            total += float(-lp.sum())
+            count += lp.numel()
+    return total / max(count, 1)
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def composer_param_groups(model, composer: Composer) -> tuple[list, list]:
+    from lopd_cli.models.adapters import ENCODER, adapter_parameters
+
+    return adapter_parameters(model, ENCODER), list(composer.resampler.parameters())
+
+
+def coldstart_step(model, tokenizer, composer: Composer, examples: Sequence[Example], optimizer,
+                   clip_lora: float, clip_qformer: float) -> dict:
+    lora, chi = composer_param_groups(model, composer)
+    eps = [ex.episode for ex in examples]
+    latents = composer([ex.refs for ex in examples], [e.task.instruction for e in eps])
+    batch = build_teacher_batch(eps, tokenizer, latents.shape[1]).to(latents.device)
+    lp = teacher_token_logprobs(model, batch, latents)
+    loss = -lp.mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    g_lora = torch.nn.utils.clip_grad_norm_(lora, clip_lora)
+    g_chi = torch.nn.utils.clip_grad_norm_(chi, clip_qformer)
+    optimizer.step()
+    return {"loss": loss.item(), "grad_norm_lora": float(g_lora), "grad_norm_qformer": float(g_chi),
+            "tokens": lp.numel(), "latent_norm": float(latents.detach().norm(dim=-1).mean())}
+
+
+def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example], val: Sequence[Example], cfg,
+                   log: Callable[[dict], None] = lambda row: None,
+                   on_step: Callable[[int, dict], None] = lambda step, row: None) -> dict:
+    """The cold-start loop: returns {"steps", "val_nll" (last), "history"}. `cfg` = recipe.coldstart."""
+    from lopd_cli.models.adapters import ENCODER, set_trainable
+    from lopd_cli.train.sampler import TaskSampler
+
+    if not train:
+        raise LopdError("cold start: no training examples (the bank needs successful rollouts of at least "
+                        "n_retrieve + 1 different tasks; see `lopd bank stats`)")
+    set_trainable(model, [ENCODER])
+    composer.resampler.requires_grad_(True)
+    lora, chi = composer_param_groups(model, composer)
+    optimizer = torch.optim.AdamW([{"params": lora}, {"params": chi}], lr=cfg.lr, weight_decay=0.0)
+    sampler = TaskSampler(len(train), cfg.seed)
+    torch.manual_seed(cfg.seed)
+    history: list[dict] = []
+    val_nll = None
+    model.train(False)  # dropout-free LoRA either way; the teacher must be deterministic
+    for step in range(1, cfg.steps + 1):
+        idx = sampler.take(min(cfg.batch_size, len(train)))
+        row = {"step": step, **coldstart_step(model, tokenizer, composer, [train[i] for i in idx], optimizer,
+                                              cfg.clip_lora, cfg.clip_qformer)}
+        if val and (step % cfg.eval_every == 0 or step == cfg.steps):
+            val_nll = teacher_nll(model, tokenizer, composer, val, "learned", batch_size=cfg.batch_size)
+            row["val_nll"] = val_nll
+        history.append(row)
+        log(row)
+        on_step(step, row)
+    return {"steps": cfg.steps, "val_nll": val_nll, "history": history}
+
+
+def build_anchor_cache(composer: Composer, retriever, tasks: Sequence[Task], n_ret: int,
+                       allow_self_retrieval: bool) -> LatentCache:
+    """c_φ0 for the tasks the trainer will see, retrieved the way it retrieves."""
+    refs = retriever.retrieve_many(
+        [t.instruction for t in tasks], n_ret,
+        None if allow_self_retrieval else [[t.id] for t in tasks],
+        None if allow_self_retrieval else [[t.instruction] for t in tasks],
+    )
+    cache = LatentCache()
+    keep = [(t, r) for t, r in zip(tasks, refs) if len(r) == n_ret]
+    cache.fill(composer, [t.instruction for t, _ in keep], [r for _, r in keep])
+    return cache
+
+
+def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) -> dict:
+    """`lopd coldstart`: load the backbone once, train φ, save the composer and the c_φ0 cache."""
+    from lopd_cli.bank.embed import embedder_fingerprint
+    from lopd_cli.bank.retrieve import Retriever
+    from lopd_cli.models.adapters import attach_adapters
+    from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.plugins import load_env_class
+    from lopd_cli.train.metrics import MetricsLog
+
+    cs, n_ret = recipe.coldstart, recipe.bank.n_retrieve
+    retriever = Retriever.open(project, recipe)
+    try:
+        items = retriever.bank.items(success_only=True)
+        if len({task_key(it) for it in items}) < n_ret + 1:
+            raise LopdError(f"cold start needs successful rollouts of at least {n_ret + 1} different tasks "
+                            f"(bank.n_retrieve = {n_ret}); the bank has {len({task_key(it) for it in items})}")
+        model, tokenizer = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device,
+                                         search_dirs=[recipe.base_dir, project.root])
+        model = attach_adapters(model, recipe)
+        composer = Composer(model, tokenizer, recipe.composer, recipe.bank.obs_char_budget)
+        train_items, val_items = split_by_task(items, cs.val_fraction, cs.seed)
+        max_tokens = recipe.rollout.max_prompt_tokens
+        train = make_examples(tokenizer, retriever, train_items, n_ret, max_tokens)
+        val = make_examples(tokenizer, retriever, val_items, n_ret, max_tokens)
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+        metrics = MetricsLog(run_dir)
+        before = teacher_nll(model, tokenizer, composer, val, "learned", cs.batch_size) if val else None
+        if show_progress:
+            from lopd_cli.cli.common import progress
+
+            with progress() as bar:
+                task = bar.add_task("cold start", total=cs.steps, info="")
+
+                def on_step(step: int, row: dict) -> None:
+                    info = f"loss {row['loss']:.3f}" + (f"  val {row['val_nll']:.3f}" if "val_nll" in row else "")
+                    bar.update(task, advance=1, info=info)
+
+                result = train_composer(model, tokenizer, composer, train, val, cs, metrics.log, on_step)
+        else:
+            result = train_composer(model, tokenizer, composer, train, val, cs, metrics.log)
+        metrics.close()
+
+        out = run_dir / COMPOSER_DIR
+        emb_fp = embedder_fingerprint(recipe.bank.embedder)
+        composer.save(out, emb_fp, extra={"kind": "coldstart", "steps": cs.steps, "val_nll": result["val_nll"],
+                                          "n_retrieve": n_ret})
+        env = load_env_class(recipe.env.cls, recipe.base_dir)(**recipe.env.kwargs)
+        with torch.no_grad():
+            cache = build_anchor_cache(composer, retriever, env.tasks("train"), n_ret, recipe.bank.allow_self_retrieval)
+        cache.save(out)
+        summary = {
+            "run_dir": str(run_dir), "composer": str(out), "steps": cs.steps,
+            "train_examples": len(train), "val_examples": len(val),
+            "val_nll_before": before, "val_nll_after": result["val_nll"],
+            "anchor_cache_entries": len(cache),
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
+        retriever.close()
