@@ -7,7 +7,9 @@
   quantile above (|error| < 1e-4 there), so scipy is not needed. With n = 1 there is no
   interval (low = high = None).
 
-Pure functions over numbers and `Episode`s; running the episodes is `lopd_cli.cli.eval_cmds`.
+Everything here is a pure function over numbers and `Episode`s except `run_eval`, which rolls
+out the student alone (no bank, composer or teacher) on a recipe's environment with the recipe's
+`eval` settings (temperature 0 = greedy, so success on HumanEval is pass@1).
 """
 
 from __future__ import annotations
@@ -146,6 +148,49 @@ def summarize_figures(label: str, figures: Sequence[EpisodeFigures], errors: int
         for c in cats:
             result.categories[c] = summarize_figures(c, [f for f in figures if f.category == c], by_category=False)
     return result
+
+
+def episode_figures(episode, success_threshold: float = SUCCESS_THRESHOLD) -> EpisodeFigures:
+    """The figures of one runner `Episode` (behaviour counts come from the runner's meta)."""
+    meta = episode.meta
+    return EpisodeFigures(
+        reward=float(episode.reward),
+        success=episode.error is None and episode.reward >= success_threshold - 1e-9,
+        tool_calls=int(meta.get("tool_calls", 0)),
+        repeated_calls=int(meta.get("repeated_tool_calls", 0)),
+        invalid_calls=int(meta.get("invalid_tool_calls", 0)),
+        first_turn_tokens=int(meta.get("first_turn_tokens", 0)),
+        category=(episode.task.data or {}).get("category"),
+    )
+
+
+def evaluate_episodes(label: str, episodes: Sequence, success_threshold: float = SUCCESS_THRESHOLD) -> ModelEval:
+    figures = [episode_figures(e, success_threshold) for e in episodes]
+    return summarize_figures(label, figures, errors=sum(e.error is not None for e in episodes))
+
+
+def eval_tasks(env_factory, split: str, n: int | None) -> list:
+    """The first n tasks of a split, each once (repeating a task under greedy decoding would
+    only narrow the interval without adding information)."""
+    from lopd_cli.agent.runner import select_tasks
+
+    tasks = select_tasks(env_factory, split, None)
+    return tasks if n is None else tasks[:n]
+
+
+def run_eval(recipe, model, tokenizer, label: str, split: str | None = None, n: int | None = None,
+             progress=None, success_threshold: float = SUCCESS_THRESHOLD) -> tuple[ModelEval, list]:
+    """Roll out `model` alone on the recipe's environment and summarise: (figures, episodes)."""
+    from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes
+
+    env_factory = make_env_factory(recipe)
+    tasks = eval_tasks(env_factory, split or recipe.eval.split, n if n is not None else recipe.eval.n)
+    episodes = run_episodes(
+        model, tokenizer, env_factory, tasks, recipe.rollout, seed=recipe.train.seed,
+        reward_fn=load_reward(recipe), progress=progress, temperature=recipe.eval.temperature,
+        meta={"model": label, "split": split or recipe.eval.split},
+    )
+    return evaluate_episodes(label, episodes, success_threshold), episodes
 
 
 # ---------------------------------------------------------------- comparison table

@@ -1,0 +1,76 @@
+"""`lopd eval` end to end on the tiny backbone: several models, per-category figures, --json."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_export import make_checkpoint
+
+ENV = textwrap.dedent('''
+    from lopd_cli.agent.types import Task
+
+    class CategoryEnv:
+        """Six tasks in two categories; the reward depends only on the category."""
+        name = "categories"
+
+        def tasks(self, split):
+            return [Task(id=f"{split}-{i}", instruction=f"Say hello {i}", tools=[], split=split,
+                         data={"category": "easy" if i % 2 == 0 else "hard"}) for i in range(6)]
+
+        def reset(self, task):
+            self.task = task
+            return [{"role": "user", "content": task.instruction}]
+
+        def step(self, call):
+            return "ok"
+
+        def reward(self, transcript):
+            return 1.0 if self.task.data["category"] == "easy" else 0.25
+''')
+
+
+@pytest.fixture
+def recipe(tmp_path) -> Path:
+    (tmp_path / "category_env.py").write_text(ENV)
+    data = {"name": "categories-tiny", "model": {"backbone": "tiny"},
+            "env": {"class": "category_env.py:CategoryEnv"},
+            "rollout": {"max_new_tokens": 6, "max_turns": 1, "batch_size": 8},
+            "eval": {"split": "test", "temperature": 0.0}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.slow
+def test_eval_compares_models_with_categories(lopd, tmp_path, recipe):
+    ckpt = make_checkpoint(tmp_path / "runs" / "r1")
+    r = lopd("eval", "--recipe", recipe, "--backbone", "--checkpoint", ckpt.parent.parent, "-n", "4", "--json",
+             "--rollouts", tmp_path / "eps.jsonl")
+    assert r.code == 0, r
+    out = json.loads(r.out)
+    assert out["split"] == "test" and out["temperature"] == 0.0 and out["n"] == 4
+    labels = [m["label"] for m in out["models"]]
+    assert labels == ["backbone tiny", "r1/step_3 (lopd)"]
+    for m in out["models"]:
+        assert m["n"] == 4
+        assert m["success"]["mean"] == 0.5  # 2 easy (reward 1) + 2 hard (reward 0.25)
+        assert m["reward"]["mean"] == pytest.approx(0.625)
+        assert m["categories"]["easy"]["success"]["mean"] == 1.0
+        assert m["categories"]["hard"]["success"]["mean"] == 0.0
+        assert m["categories"]["hard"]["reward"]["mean"] == 0.25
+        assert 0 < m["behaviour"]["first_turn_tokens"]["mean"] <= 6
+    records = [json.loads(line) for line in (tmp_path / "eps.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and {rec["meta"]["model"] for rec in records} == set(labels)
+
+
+def test_eval_table_and_errors(lopd, tmp_path, recipe):
+    r = lopd("eval", "--recipe", recipe, "-n", "2")
+    assert r.code == 0, r
+    assert "backbone tiny" in r.out and "success per category" in r.out
+    bad = lopd("eval", "--recipe", recipe, "--checkpoint", tmp_path / "nowhere")
+    assert bad.code == 1 and "error:" in bad.err and "nowhere" in bad.err
