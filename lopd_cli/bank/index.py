@@ -33,7 +33,7 @@ HNSW_EF_CONSTRUCTION = 40
 HNSW_EF_SEARCH = 64
 EMBED_BATCH = 64
 INDEX_FORMAT = 1
-SINGLE_THREAD_BELOW = 8  # searches with fewer queries run FAISS on one thread
+SINGLE_THREAD_BELOW = 64  # searches with fewer queries (training asks 32 at once) run FAISS on one thread
 
 
 def index_fingerprint(cfg: BankSection) -> dict[str, Any]:
