@@ -70,6 +70,7 @@ def test_resolve_checkpoint_forms(tmp_path, checkpoint):
         resolve_checkpoint(tmp_path)
 
 
+@pytest.mark.slow
 def test_merged_export_matches_backbone_plus_adapter(tmp_path, checkpoint):
     out = tmp_path / "exported"
     result = export_merged(read_checkpoint(checkpoint), out)

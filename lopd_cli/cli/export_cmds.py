@@ -17,7 +17,8 @@ def export(
     merge_lora: Annotated[bool, typer.Option("--merge-lora", help="Merge the student adapter into the backbone: a plain transformers model.")] = False,
     adapter_only: Annotated[bool, typer.Option("--adapter-only", help="Write the peft adapter (and tokenizer) instead.")] = False,
     dtype: Annotated[str, typer.Option(help="Saved weight dtype: float32, bfloat16 or float16 (merge and check run in float32).")] = "float32",
-    atol: Annotated[float, typer.Option(help="Largest allowed logit difference to backbone + adapter.")] = 1e-4,
+    atol: Annotated[float, typer.Option(help="Allowed logit difference to backbone + adapter: atol + rtol x max|logit|.")] = 1e-4,
+    rtol: Annotated[float, typer.Option(help="Relative part of the allowed logit difference (float32 rounding grows with logit size).")] = 1e-5,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
     force: Annotated[bool, typer.Option("--force", help="Overwrite a non-empty output folder.")] = False,
     project: ProjectOpt = None,
@@ -41,7 +42,7 @@ def export(
         if adapter_only:
             result = export_adapter(info, out, search_dirs=search, force=force)
         else:
-            result = export_merged(info, out, dtype=dtype, device=pick_device(device), atol=atol, search_dirs=search, force=force)
+            result = export_merged(info, out, dtype=dtype, device=pick_device(device), atol=atol, rtol=rtol, search_dirs=search, force=force)
     if as_json:
         print_json(result.to_dict())
         return
@@ -49,7 +50,7 @@ def export(
     if result.max_abs_logit_diff is not None:
         console.print(
             f"  check: max |logit difference| to backbone + adapter = {result.max_abs_logit_diff:.2e} "
-            f"on {result.prompts_checked} prompts (≤ {result.atol:g})", highlight=False,
+            f"on {result.prompts_checked} prompts (allowed {result.tolerance:.2e})", highlight=False,
         )
         console.print(f"  load: AutoModelForCausalLM.from_pretrained({result.out!r})  ·  serve: vllm serve {result.out}", highlight=False)
     else:
