@@ -1,0 +1,183 @@
+"""The tiny base policy for `orders`: short imitation of a noisy scripted oracle.
+
+LOPD needs a base model that already succeeds sometimes. The embedded `tiny` backbone has
+random weights, so `lopd init --example orders --model tiny` trains it for a few hundred steps
+on transcripts of the oracle (`orders.oracle_plan`) in which some episodes carry a mistake (a
+wrong id, stopping early, an answer missing its fact). The result succeeds on some but not
+most training tasks at temperature 1.0 (see benchmarks/RESULTS.md). Seeded and reproducible
+on a given machine; the model is cached in `$LOPD_CACHE/models/` and copied into projects.
+
+Training shares the prompt prefix all orders episodes have in common (system prompt + tool
+schemas): it is run once per step (batch 1, with gradients) and its KV cache is repeated for
+the batch, which makes a step several times cheaper than padding full conversations.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from lopd_cli.agent.chat import tokenize_transcript
+from lopd_cli.agent.toolcalls import to_openai_tool_calls
+from lopd_cli.agent.types import Task, ToolCall
+from lopd_cli.envs.orders import OrdersEnv, oracle_plan
+
+POLICY_VERSION = 1  # bump when the recipe below changes, so cached policies are rebuilt
+DEFAULTS = dict(steps=240, batch_size=16, lr=3e-3, noise=0.45, warmup=20)
+
+
+def noisy_oracle_transcript(task: Task, rng: random.Random, noise: float) -> list[dict]:
+    """The oracle's episode for `task`; with probability `noise` it contains one mistake."""
+    env = OrdersEnv()
+    messages = env.reset(task)
+    calls, answer = oracle_plan(task)
+    mistake = rng.choice(["wrong_id", "early_stop", "vague_answer"]) if rng.random() < noise else None
+    if mistake == "early_stop" and len(calls) > 1:
+        calls = calls[: rng.randrange(1, len(calls))]
+    if mistake == "wrong_id":
+        i = rng.randrange(len(calls))
+        args = dict(calls[i].arguments)
+        key = next((k for k in ("order_id", "customer_id") if k in args), None)
+        if key is None:
+            mistake = "vague_answer"
+        else:
+            args[key] = args[key] + rng.choice([-1, 1]) * rng.randrange(1, 9)
+            calls = calls[:i] + [ToolCall(calls[i].name, args, calls[i].id)]
+    if mistake in ("vague_answer", "early_stop"):
+        answer = "Done."
+    for call in calls:
+        messages.append({"role": "assistant", "content": "", "tool_calls": to_openai_tool_calls([call])})
+        messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": env.step(call)})
+    messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for task in tasks:
+        ids, mask = tokenize_transcript(tokenizer, noisy_oracle_transcript(task, rng, noise), task.tools)
+        out.append((ids, mask))
+    return out
+
+
+def _common_prefix_len(seqs: list[list[int]]) -> int:
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs):
+            return i
+    return n
+
+
+def _length_bucketed(data: list, rng: random.Random, batch_size: int) -> list[int]:
+    """A shuffled epoch in which each run of 8 batches is sorted by length (less padding)."""
+    idx = rng.sample(range(len(data)), len(data))
+    span = batch_size * 8
+    out = []
+    for lo in range(0, len(idx), span):
+        out += sorted(idx[lo: lo + span], key=lambda i: len(data[i][0]))
+    batches = [out[i: i + batch_size] for i in range(0, len(out), batch_size)]
+    rng.shuffle(batches)
+    return [i for b in batches for i in b]
+
+
+def train_orders_base_policy(
+    out_dir: Path,
+    backbone: str = "tiny",
+    seed: int = 0,
+    steps: int = DEFAULTS["steps"],
+    batch_size: int = DEFAULTS["batch_size"],
+    lr: float = DEFAULTS["lr"],
+    noise: float = DEFAULTS["noise"],
+    progress: Callable[[int, int, float], None] | None = None,
+) -> Path:
+    """Train the base policy by imitation of the noisy oracle on the orders train split and save
+    it (model + tokenizer) to `out_dir`. `progress(step, steps, loss)` after each step."""
+    import torch
+
+    from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.runtime import setup_torch
+
+    setup_torch()
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model, tokenizer = load_backbone(backbone, device="cpu")
+    tasks = OrdersEnv().tasks("train")
+    data = _examples(tokenizer, tasks, rng, noise)
+    plen = _common_prefix_len([ids for ids, _ in data]) - 1  # keep >= 1 token in every suffix
+    prefix = torch.tensor([data[0][0][:plen]])
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / DEFAULTS["warmup"]) * max(0.05, 1 - s / max(1, steps)))
+    pad = tokenizer.pad_token_id
+    order: list[int] = []
+    for step in range(steps):
+        if len(order) < batch_size:
+            order += _length_bucketed(data, rng, batch_size)
+        batch = [data[i] for i in order[:batch_size]]
+        del order[:batch_size]
+        width = max(len(ids) for ids, _ in batch) - plen
+        x = torch.full((len(batch), width), pad, dtype=torch.long)
+        m = torch.zeros((len(batch), width), dtype=torch.bool)
+        for r, (ids, mask) in enumerate(batch):
+            x[r, : len(ids) - plen] = torch.tensor(ids[plen:])
+            m[r, : len(ids) - plen] = torch.tensor(mask[plen:], dtype=torch.bool)
+        cache = model(input_ids=prefix, use_cache=True).past_key_values
+        cache.batch_repeat_interleave(len(batch))
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
+        # Suffix position j predicts suffix token j + 1 (right padding never feeds the loss).
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, x[:, 1:, None]).squeeze(-1)
+        target = m[:, 1:]
+        loss = -(logp * target).sum() / target.sum().clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if progress:
+            progress(step + 1, steps, loss.item())
+    model.eval()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "lopd_model.json").write_text(json.dumps(
+        {"name": "orders-base-tiny", "backbone": backbone, "seed": seed, "steps": steps, "lr": lr,
+         "noise": noise, "batch_size": batch_size, "version": POLICY_VERSION}))
+    return out_dir
+
+
+def cached_orders_base_policy(seed: int = 0, progress: Callable[[int, int, float], None] | None = None) -> Path:
+    """The tiny orders base policy for `seed`, trained once and kept in the model cache."""
+    from lopd_cli.models.registry import cache_dir
+
+    out = cache_dir() / "models" / f"orders-base-tiny-s{seed}-v{POLICY_VERSION}"
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".orders-base-", dir=out.parent))
+    try:
+        train_orders_base_policy(tmp, seed=seed, progress=progress)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def install_orders_base_policy(dest: Path, seed: int = 0,
+                               progress: Callable[[int, int, float], None] | None = None) -> Path:
+    """Copy the (cached) tiny base policy into `dest`, e.g. a project's models/base."""
+    src = cached_orders_base_policy(seed, progress)
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest)
+    return dest

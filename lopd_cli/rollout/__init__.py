@@ -1,0 +1,1 @@
+"""Generation backends: turn a batch of prompt token ids into sampled continuations."""

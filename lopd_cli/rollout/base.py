@@ -1,0 +1,47 @@
+"""The backend interface the runner samples through (hf by default, vLLM in its own module).
+
+Kept small on purpose: a backend gets token ids (never text), samples one continuation per
+prompt until a stop id or `max_new_tokens`, and returns exactly the sampled ids with the
+behaviour policy's log-prob of each at the sampling temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from lopd_cli.errors import LopdError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # as sampled, the stop token included when one was sampled
+    logprobs: list[float] = field(default_factory=list)  # log p(token) under logits / temperature
+    stopped: bool = False  # ended on a stop id (False: hit max_new_tokens)
+
+
+class Backend(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int]) -> list[Generation]: ...
+
+
+def make_backend(name: str, model, tokenizer) -> Backend:
+    """The recipe's `rollout.backend` for an already loaded model."""
+    if name == "hf":
+        from lopd_cli.rollout.hf import HFBackend
+
+        return HFBackend(model, tokenizer)
+    if name == "vllm":
+        try:
+            from lopd_cli.rollout.vllm import VLLMBackend  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise LopdError(f"rollout.backend: vllm is not available here ({e}); use backend: hf") from None
+        return VLLMBackend(model, tokenizer)
+    raise LopdError(f"rollout.backend: unknown backend '{name}' (hf or vllm)")
