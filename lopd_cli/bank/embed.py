@@ -32,7 +32,18 @@ def resolve_device(device: str = "cpu") -> str:
 @lru_cache(maxsize=4)
 def load_embedder(name_or_path: str, device: str = "cpu") -> Any:
     """A SentenceTransformer (cached per process)."""
-    device = resolve_device(device)
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar for a 90 MB local model
+    try:
+        return _load_embedder(name_or_path, resolve_device(device))
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load_embedder(name_or_path: str, device: str) -> Any:
     entry = EMBEDDERS.get(name_or_path)
     if entry is not None:
         try:
