@@ -109,6 +109,13 @@ class TrainSection(Section):
     eval_n: int = Field(32, ge=1)
     max_nonfinite: int = Field(3, ge=1)
     tensorboard: bool = False
+    keep_last: int | None = Field(None, ge=1)  # keep only the newest N checkpoints
+    # LOPD: the cold-start composer (a composer folder or a run folder holding one);
+    # default: the newest composer saved by `lopd coldstart` in this project.
+    composer_from: str | None = None
+    # Rollouts already spent before training (bank filling, cold start) for budget accounting;
+    # default: LOPD/OPSD count the bank rows lopd generated (meta.generated_by == "lopd"), GRPO 0.
+    prior_rollouts: int | None = Field(None, ge=0)
     seed: int = 0
 
 

@@ -26,6 +26,7 @@ app = typer.Typer(
 # Each module defines register(app). Order = order in `lopd --help`.
 COMMAND_MODULES = [
     "lopd_cli.cli.setup_cmds",
+    "lopd_cli.cli.rollout_cmds",
     "lopd_cli.cli.bank_cmds",
     "lopd_cli.cli.eval_cmds",
     "lopd_cli.cli.export_cmds",

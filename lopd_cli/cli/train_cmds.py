@@ -1,0 +1,69 @@
+"""`lopd train`: LOPD (default), or the GRPO / OPSD baselines, in one loop."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from lopd_cli.cli.common import DebugOpt, JsonOpt, ProjectOpt, RecipeOpt, SetOpt, console, print_json, progress
+
+
+def train(
+    recipe: RecipeOpt = None,
+    algo: Annotated[Optional[str], typer.Option("--algo", help="lopd (default), grpo or opsd: sets train.algo.")] = None,
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run from its latest checkpoint.")] = False,
+    run: Annotated[Optional[str], typer.Option("--run", help="Run folder name under runs/ (default: ALGO-TIME).")] = None,
+    project: ProjectOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Train the student on its own rollouts; writes runs/RUN/{recipe.yaml, metrics.jsonl, checkpoints/}."""
+    from lopd_cli.errors import LopdError
+    from lopd_cli.project import open_project
+    from lopd_cli.train.loop import train as run_training
+
+    proj = open_project(project)
+    overrides = list(set_ or [])
+    if algo is not None:
+        if algo not in ("lopd", "grpo", "opsd"):
+            raise LopdError(f"--algo '{algo}': choose lopd, grpo or opsd")
+        overrides.append(f"train.algo={algo}")
+    r = proj.load_recipe(recipe, overrides)
+    if resume and not run:
+        runs = sorted((p for p in proj.runs_dir.glob(f"{r.train.algo}-*") if (p / "recipe.yaml").exists()),
+                      key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise LopdError(f"--resume: no {r.train.algo} run in {proj.runs_dir} (name one with --run)")
+        run_dir = runs[-1]
+    else:
+        run_dir = proj.new_run_dir(run, r.train.algo)
+    rows: list[dict] = []
+    with progress(transient=as_json) as bar:
+        task = bar.add_task(f"{r.train.algo} steps", total=r.train.steps, info="")
+
+        def on_step(row: dict) -> None:
+            rows.append(row)
+            info = f"reward {row['reward']:.3f} success {row['success']:.2f}"
+            if row.get("beta") is not None:
+                info += f" β {row['beta']:.3f} Δ {row.get('delta', 0):.3f}"
+            bar.update(task, completed=row["step"], info=info)
+
+        tr = run_training(proj, r, run_dir, resume=resume, on_step=on_step)
+        bar.update(task, completed=tr.state.step)
+    summary = {"run": str(run_dir), "algo": r.train.algo, "steps": tr.state.step,
+               "rollouts_total": tr.state.rollouts_total, "last": rows[-1] if rows else None}
+    if as_json:
+        print_json(summary)
+        return
+    console.print(f"[green]done[/green]: {run_dir} ({tr.state.step} steps, {tr.state.rollouts_total} rollouts in total)")
+    if rows:
+        last = rows[-1]
+        console.print(f"  last step: reward {last['reward']:.3f}, success {last['success']:.2f}"
+                      + (f", β {last['beta']:.3f}, Δ {last.get('delta', 0):.3f}" if last.get("beta") is not None else ""))
+    console.print(f"  next: lopd eval --recipe {r.name or 'R'} --checkpoint {run_dir}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(train)

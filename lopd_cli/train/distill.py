@@ -1,0 +1,158 @@
+"""One LOPD (or OPSD) update on a batch of student rollouts: phases 2–4 of LOPD.md.
+
+    2. teacher pass: the frozen backbone (adapters off) on the teacher prompt — LOPD: latents
+       c_φ from the composer in the placeholder positions; OPSD: the retrieved trajectories as
+       plain text — keeping the top-M ids per action token;
+    3. student pass: reverse KL(p̃^S ‖ sg p̃^T) on those ids + tail, gradients into θ;
+    4. composer pass (LOPD, composer not frozen): KL(sg p̃^S ‖ p̃^T) + β(m − Δ) + λ·anchor,
+       gradients into φ; then the dual step on β (done by the caller, from the returned Δ).
+
+What it simplifies relative to the reference code: φ does not change between phases 2 and 4, so
+one teacher forward *with* gradient serves both the student's targets (detached) and the
+composer's loss; the composer's KL uses the student's log-probs from before its update.
+Micro-batches accumulate gradients with weights that make the sums equal to the full-batch
+losses (sequence means weight by sequences, Δ by tokens, the anchor by tasks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from lopd_cli.agent.types import Episode
+from lopd_cli.models.adapters import use_student
+from lopd_cli.models.latent import build_teacher_batch, output_head, teacher_hidden
+from lopd_cli.train import losses
+from lopd_cli.train.batch import collate, student_hidden, to_student_layout
+
+
+@dataclass
+class DistillSetup:
+    model: object
+    tokenizer: object
+    top_m: int
+    margin_m: float
+    anchor_lambda: float
+    micro_batch: int
+    logit_chunk: int
+    composer: object | None = None  # LOPD: lopd_cli.models.composer.Composer; OPSD: None
+    train_composer: bool = False
+    latents0: Callable[[list[str], list[list]], torch.Tensor] | None = None  # anchor targets
+    text_prompt: Callable[[Episode, list], list[int]] | None = None  # OPSD teacher prompt ids
+    autocast: bool = False
+
+
+@dataclass
+class DistillOutcome:
+    kl: float = 0.0  # student-pass KL(p̃^S ‖ p̃^T), batch sequence-mean
+    composer_kl: float = 0.0
+    delta: float = 0.0
+    anchor: float = 0.0
+    composer_loss: float = 0.0
+    n_tokens: int = 0
+    seconds: dict = field(default_factory=dict)
+    finite: bool = True
+
+
+def _autocast(enabled: bool, device: torch.device):
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Sequence[list], beta: float) -> DistillOutcome:
+    """Accumulate gradients of the student (θ) and, for LOPD, the composer (φ) over the batch.
+
+    The caller zeroes gradients before and steps the optimisers after (so it can check them)."""
+    import time
+
+    model, tok = setup.model, setup.tokenizer
+    device = next(model.parameters()).device
+    head = output_head(model)
+    pad = tok.pad_token_id or 0
+    full = collate(episodes, pad, "cpu")
+    n_seq_total = max(1, full.n_sequences)
+    n_tok_total = max(1, full.n_tokens)
+    out = DistillOutcome(n_tokens=full.n_tokens)
+    t_teacher = t_student = t_composer = 0.0
+    lopd = setup.composer is not None
+    n_latents = setup.composer.latents_per_item * len(refs[0]) if lopd and refs and refs[0] else 0
+    for lo in range(0, len(episodes), setup.micro_batch):
+        eps = list(episodes[lo : lo + setup.micro_batch])
+        mrefs = [list(r) for r in refs[lo : lo + setup.micro_batch]]
+        sb = collate(eps, pad, device)
+        if sb.n_tokens == 0:
+            continue
+        w_seq = sb.n_sequences / n_seq_total
+        w_tok = sb.n_tokens / n_tok_total
+        w_task = len(eps) / len(episodes)
+
+        # Phase 2: teacher (gradient into φ only when the composer trains).
+        t0 = time.perf_counter()
+        grad_phi = lopd and setup.train_composer
+        with torch.set_grad_enabled(grad_phi), _autocast(setup.autocast, device):
+            if lopd:
+                instrs = [ep.task.instruction for ep in eps]
+                latents = setup.composer(mrefs, instrs)
+                tb = build_teacher_batch(eps, tok, n_latents).to(device)
+                th = teacher_hidden(model, tb, latents)
+            else:
+                latents = None
+                tb = build_teacher_batch(eps, tok, 0, prompt_fn=lambda b, ep: setup.text_prompt(ep, mrefs[b])).to(device)
+                th = teacher_hidden(model, tb, th_empty_latents(len(eps), device, model))
+            t_pred = to_student_layout(th, tb, tuple(sb.mask.shape))
+        t_lp, t_ids = losses.chunked_teacher_topm(t_pred.detach(), head, setup.top_m, mask=sb.mask, chunk_size=setup.logit_chunk)
+        t_teacher += time.perf_counter() - t0
+
+        # Phase 3: student, reverse KL against the detached teacher.
+        t0 = time.perf_counter()
+        with use_student(model), _autocast(setup.autocast, device):
+            s_pred = student_hidden(model, sb)
+            kl = losses.chunked_reverse_kl(s_pred, head, t_lp, t_ids, sb.mask, chunk_size=setup.logit_chunk)
+        (kl.loss * w_seq).backward()
+        out.kl += float(kl.loss.detach()) * w_seq
+        t_student += time.perf_counter() - t0
+
+        # Phase 4: composer, through the same teacher graph.
+        if lopd:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                s_topm, s_tok = losses.chunked_logprobs(
+                    s_pred.detach(), head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk
+                )
+            with torch.set_grad_enabled(grad_phi):
+                t_topm, t_tok = losses.chunked_logprobs(
+                    t_pred, head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk
+                )
+                ckl = losses.topm_reverse_kl(s_topm, t_topm, sb.mask, detach="student")
+                delta = losses.privileged_margin(t_tok, s_tok, sb.rewards, sb.mask)
+                anchor = (
+                    losses.anchor_loss(latents, setup.latents0(instrs, mrefs).to(latents.device))
+                    if setup.latents0 is not None and setup.anchor_lambda > 0
+                    else latents.new_zeros(())
+                )
+                # = w·(KL + β(m − Δ) + λ·anchor) with each term weighted by what it averages over
+                # (β·m is a constant: it has no gradient and is left out).
+                obj = w_seq * ckl.loss - beta * w_tok * delta + setup.anchor_lambda * w_task * anchor
+            if grad_phi:
+                obj.backward()
+            out.composer_kl += float(ckl.loss.detach()) * w_seq
+            out.delta += float(delta.detach()) * w_tok
+            out.anchor += float(anchor.detach()) * w_task
+            t_composer += time.perf_counter() - t0
+        del th, t_pred
+    if lopd:
+        out.composer_loss = out.composer_kl + beta * (setup.margin_m - out.delta) + setup.anchor_lambda * out.anchor
+    out.seconds = {"teacher": t_teacher, "student": t_student, "composer": t_composer}
+    out.finite = all(map(_finite, (out.kl, out.composer_kl, out.delta, out.anchor)))
+    return out
+
+
+def th_empty_latents(batch: int, device, model) -> torch.Tensor:
+    """OPSD's teacher has no latent positions: an empty (B, 0, d) latent tensor."""
+    d = model.get_input_embeddings().weight.shape[1]
+    return torch.zeros((batch, 0, d), device=device)
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")

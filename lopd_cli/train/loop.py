@@ -1,0 +1,499 @@
+"""`lopd train`: the main job. One loop for LOPD and its baselines (GRPO, OPSD).
+
+Each step:
+    1. rollouts: the student (backbone + student adapter), no latents, on training tasks;
+    2–4. LOPD / OPSD: teacher pass, student reverse-KL update, composer update (train/distill.py);
+         GRPO: group-normalised clipped policy gradient (train/grpo.py);
+    5. LOPD: the dual step on β;
+    then bank growth (`bank.grow`), metrics, periodic validation and checkpoints.
+
+Every rollout counts toward `rollouts_total`, including those spent before training (bank
+filling, cold start: `train.prior_rollouts`), so methods compare at equal budget. Checkpoints
+hold everything needed for an exact resume: adapters, composer, optimiser states, β, RNG
+states, the task sampler's position and the counters.
+
+What it simplifies: a single process drives rollouts and updates (torchrun ranks each run
+their own share of a step's rollouts; see train/distributed.py when present).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from lopd_cli.agent.metrics import summarize
+from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes, select_tasks
+from lopd_cli.agent.types import Episode
+from lopd_cli.config import Recipe
+from lopd_cli.errors import LopdError
+from lopd_cli.models import adapters as ad
+from lopd_cli.models.backbone import load_backbone, resolve_backbone
+from lopd_cli.project import Project
+from lopd_cli.train import checkpoint as ckpt
+from lopd_cli.train.distill import DistillSetup, distill_update
+from lopd_cli.train.grpo import GrpoSetup, grpo_update
+from lopd_cli.train.losses import dual_update
+from lopd_cli.train.metrics import MetricsLog, peak_memory_mb
+from lopd_cli.train.sampler import TaskSampler
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    beta: float = 0.0
+    rollouts_total: int = 0
+    nonfinite_streak: int = 0
+    sampler: TaskSampler | None = None
+
+
+@dataclass
+class Trainer:
+    """Everything one run holds in memory (one backbone; adapters and composer on top)."""
+
+    project: Project
+    recipe: Recipe
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    env_factory: Callable[[], Any]
+    reward_fn: Callable | None
+    train_tasks: list
+    student_opt: torch.optim.Optimizer
+    state: TrainState
+    retriever: Any = None
+    composer: Any = None
+    composer_opt: torch.optim.Optimizer | None = None
+    latents0: Callable | None = None
+    latent_cache: Any = None
+    composer_dir: Path | None = None
+    embedder_fingerprint: str | None = None
+    metrics: MetricsLog | None = None
+    on_step: Callable[[dict], None] | None = None
+    backbone_path: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def algo(self) -> str:
+        return self.recipe.train.algo
+
+    @property
+    def trains_composer(self) -> bool:
+        return self.algo == "lopd" and not self.recipe.train.freeze_composer
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def find_composer(project: Project, recipe: Recipe) -> Path:
+    """`train.composer_from`, else the newest composer `lopd coldstart` saved in the project."""
+    from lopd_cli.models.composer import MANIFEST
+
+    if recipe.train.composer_from:
+        p = project.path(recipe.train.composer_from)
+        for cand in (p, p / "composer"):
+            if (cand / MANIFEST).is_file():
+                return cand
+        raise LopdError(f"train.composer_from: no composer in {p} ({MANIFEST} missing)")
+    found = sorted(project.runs_dir.glob(f"*/composer/{MANIFEST}"), key=lambda f: f.stat().st_mtime)
+    if not found:
+        raise LopdError(
+            "no cold-start composer in this project: run `lopd coldstart --recipe R` first "
+            "(or set train.composer_from)"
+        )
+    return found[-1].parent
+
+
+def lopd_generated_rollouts(project: Project, recipe: Recipe) -> int:
+    """Rollouts lopd generated into the bank (bank filling): they count toward the budget."""
+    from lopd_cli.bank.store import Bank
+
+    path = project.bank_path(recipe)
+    if not path.exists():
+        return 0
+    with Bank(path, recipe.bank.min_reward, create=False) as bank:
+        return sum(1 for it in bank.iter_items(success_only=False) if it.meta.get("generated_by") == "lopd")
+
+
+def _student_params(model) -> list[torch.nn.Parameter]:
+    name = ad.STUDENT if ad.has_student_adapter(model) else ad.BASE
+    return ad.adapter_parameters(model, name)
+
+
+def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress: bool = True) -> Trainer:
+    t = recipe.train
+    seed_everything(t.seed)
+    search = [recipe.base_dir, project.root]
+    model, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device, search)
+    model = ad.attach_adapters(model, recipe)
+    trainable = [ad.BASE if recipe.model.student == "full" else ad.STUDENT]
+    if t.algo == "lopd" and not t.freeze_composer:
+        trainable.append(ad.ENCODER)
+    ad.set_trainable(model, trainable)
+    env_factory = make_env_factory(recipe)
+    tasks = select_tasks(env_factory, "train", None)
+    student_opt = torch.optim.AdamW(_student_params(model), lr=t.lr)
+    tr = Trainer(
+        project=project, recipe=recipe, run_dir=run_dir, model=model, tokenizer=tok,
+        env_factory=env_factory, reward_fn=load_reward(recipe), train_tasks=tasks,
+        student_opt=student_opt, state=TrainState(beta=t.beta0, sampler=TaskSampler(len(tasks), t.seed)),
+        backbone_path=str(resolve_backbone(recipe.model.backbone, search)),
+    )
+    if t.algo in ("lopd", "opsd"):
+        from lopd_cli.bank.retrieve import Retriever
+
+        tr.retriever = Retriever.open(project, recipe)
+        tr.embedder_fingerprint = _embedder_fp(tr.retriever)
+    if t.algo == "lopd":
+        _setup_composer(tr)
+    prior = t.prior_rollouts
+    if prior is None:
+        prior = lopd_generated_rollouts(project, recipe) if t.algo in ("lopd", "opsd") else 0
+    tr.state.rollouts_total = prior
+    return tr
+
+
+def _embedder_fp(retriever) -> str | None:
+    fp = getattr(retriever.index, "fingerprint", None)
+    return str(fp.get("embedder")) if isinstance(fp, dict) else None
+
+
+def _setup_composer(tr: Trainer) -> None:
+    from lopd_cli.models.composer import Composer
+    from lopd_cli.models.latent_cache import LatentCache
+
+    recipe = tr.recipe
+    tr.composer_dir = find_composer(tr.project, recipe)
+    tr.composer = Composer.load(tr.composer_dir, tr.model, tr.tokenizer, recipe.composer)
+    if recipe.train.freeze_composer:
+        tr.composer.requires_grad_(False)
+    else:
+        params = list(tr.composer.resampler.parameters()) + ad.adapter_parameters(tr.model, ad.ENCODER)
+        tr.composer_opt = torch.optim.AdamW(params, lr=recipe.train.composer_lr)
+    if recipe.train.anchor_lambda > 0 and not recipe.train.freeze_composer:
+        composer0 = Composer.load(tr.composer_dir, tr.model, tr.tokenizer, recipe.composer,
+                                  adapter="encoder0", frozen=True)
+        tr.latent_cache = LatentCache.load(tr.composer_dir)
+
+        def latents0(instrs: list[str], refs: list[list]) -> torch.Tensor:
+            return tr.latent_cache.get_or_fill(composer0, instrs, refs)
+
+        tr.latents0 = latents0
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def pick_tasks(tr: Trainer) -> tuple[list, list[int]]:
+    """The step's tasks: R distinct tasks (LOPD/OPSD), or R/G tasks × G rollouts (GRPO)."""
+    R = tr.recipe.rollout.rollouts_per_step
+    if tr.algo == "grpo":
+        G = tr.recipe.train.group_size
+        if R % G:
+            raise LopdError(f"rollout.rollouts_per_step ({R}) must be a multiple of train.group_size ({G})")
+        idx = tr.state.sampler.take(R // G)
+        return [tr.train_tasks[i] for i in idx for _ in range(G)], [g for g in range(len(idx)) for _ in range(G)]
+    idx = tr.state.sampler.take(R)
+    return [tr.train_tasks[i] for i in idx], list(range(R))
+
+
+def rollouts(tr: Trainer, tasks: list, step: int, progress: Callable[[int], None] | None = None) -> list[Episode]:
+    tr.model.eval()
+    with torch.no_grad(), ad.use_student(tr.model):
+        return run_episodes(
+            tr.model, tr.tokenizer, tr.env_factory, tasks, tr.recipe.rollout,
+            seed=tr.recipe.train.seed * 1_000_003 + step, reward_fn=tr.reward_fn, progress=progress,
+            meta={"generated_by": "lopd", "phase": "train", "algo": tr.algo, "step": step},
+        )
+
+
+def retrieve_refs(tr: Trainer, episodes: list[Episode]) -> list[list]:
+    b = tr.recipe.bank
+    instrs = [ep.task.instruction for ep in episodes]
+    if b.allow_self_retrieval:
+        return tr.retriever.retrieve_many(instrs, b.n_retrieve)
+    return tr.retriever.retrieve_many(
+        instrs, b.n_retrieve,
+        exclude_task_ids_per_query=[[ep.task.id] for ep in episodes],
+        exclude_instructions_per_query=[[ep.task.instruction] for ep in episodes],
+    )
+
+
+def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
+    """OPSD's privileged context: the retrieved trajectories as plain text in the first user turn."""
+    from lopd_cli.agent.chat import render_prompt_ids
+    from lopd_cli.bank.lite import lite_text
+    from lopd_cli.models.latent import FRAMING_AFTER, FRAMING_BEFORE
+    import copy
+
+    budget = tr.recipe.bank.obs_char_budget
+    max_chars = tr.recipe.composer.max_item_tokens * 4  # the same order of context as the composer reads
+
+    def prompt(ep: Episode, items: list) -> list[int]:
+        refs = "\n\n".join(f"Reference {k + 1}:\n{lite_text(it, budget)[:max_chars]}" for k, it in enumerate(items))
+        msgs = copy.deepcopy(ep.prompt_messages)
+        u = next(i for i, m in enumerate(msgs) if m.get("role") == "user")
+        msgs[u]["content"] = FRAMING_BEFORE + refs + FRAMING_AFTER + str(msgs[u].get("content") or "")
+        return render_prompt_ids(tr.tokenizer, msgs, ep.task.tools)
+
+    return prompt
+
+
+def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    return float(torch.nn.utils.clip_grad_norm_(params, clip))
+
+
+def update(tr: Trainer, episodes: list[Episode], group_ids: list[int]) -> dict[str, Any]:
+    """Gradients, guards and optimiser steps for one batch. Returns the step's loss metrics."""
+    t = tr.recipe.train
+    tr.model.train()
+    tr.student_opt.zero_grad(set_to_none=True)
+    if tr.composer_opt is not None:
+        tr.composer_opt.zero_grad(set_to_none=True)
+    row: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    if tr.algo == "grpo":
+        setup = GrpoSetup(tr.model, tr.tokenizer, tr.recipe.rollout.temperature, t.clip_eps, t.kl_coef,
+                          t.micro_batch, t.logit_chunk, tr.recipe.model.autocast_bf16)
+        o = grpo_update(setup, episodes, group_ids)
+        row.update(loss=o.loss, pg_loss=o.loss, clip_fraction=o.clip_fraction, kl_ref=o.kl_ref, adv_abs=o.adv_abs)
+        finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
+    else:
+        refs = retrieve_refs(tr, episodes)
+        setup = DistillSetup(
+            tr.model, tr.tokenizer, t.top_m, t.margin_m, t.anchor_lambda, t.micro_batch, t.logit_chunk,
+            composer=tr.composer, train_composer=tr.trains_composer, latents0=tr.latents0,
+            text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else None,
+            autocast=tr.recipe.model.autocast_bf16,
+        )
+        o = distill_update(setup, episodes, refs, tr.state.beta)
+        row.update(loss=o.kl, kl=o.kl)
+        if tr.algo == "lopd":
+            row.update(delta=o.delta, anchor=o.anchor, composer_loss=o.composer_loss)
+        finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
+    student_norm = _grad_norm(_student_params(tr.model), t.grad_clip)
+    comp_params = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
+    composer_norm = _grad_norm(comp_params, t.grad_clip)
+    finite = finite and math.isfinite(student_norm) and math.isfinite(composer_norm)
+    row.update(grad_norm_student=student_norm, grad_norm_composer=composer_norm if tr.composer_opt else None)
+    if finite:
+        tr.student_opt.step()
+        if tr.composer_opt is not None:
+            tr.composer_opt.step()
+            tr.state.beta = dual_update(tr.state.beta, t.margin_m, o.delta, t.eta_beta)
+        tr.state.nonfinite_streak = 0
+    else:
+        tr.student_opt.zero_grad(set_to_none=True)
+        if tr.composer_opt is not None:
+            tr.composer_opt.zero_grad(set_to_none=True)
+        tr.state.nonfinite_streak += 1
+        row["skipped_nonfinite"] = True
+    tr.model.eval()
+    row.update({f"sec_{k}": v for k, v in seconds.items()})
+    row["sec_update"] = time.perf_counter() - t0
+    row["update_tokens"] = n_tokens
+    return row
+
+
+def grow_bank(tr: Trainer, episodes: list[Episode]) -> int:
+    """`bank.grow`: successful training rollouts join the bank and the index as training goes."""
+    from lopd_cli.bank.store import Bank
+
+    good = [ep for ep in episodes if ep.error is None and ep.reward >= tr.recipe.bank.min_reward]
+    if not good or tr.retriever is None:
+        return 0
+    with Bank(tr.project.bank_path(tr.recipe), tr.recipe.bank.min_reward) as bank:
+        res = bank.add_records([ep.to_record() for ep in good], source=f"train:{tr.run_dir.name}")
+    return tr.retriever.add(res.ids)
+
+
+def validate(tr: Trainer, step: int) -> dict[str, Any]:
+    t = tr.recipe.train
+    tasks = select_tasks(tr.env_factory, "validation", t.eval_n)
+    tr.model.eval()
+    with torch.no_grad(), ad.use_student(tr.model):
+        eps = run_episodes(tr.model, tr.tokenizer, tr.env_factory, tasks, tr.recipe.rollout,
+                           seed=10_007 + step, reward_fn=tr.reward_fn, temperature=tr.recipe.eval.temperature,
+                           meta={"phase": "validation"})
+    s = summarize(eps, success_threshold=tr.recipe.bank.min_reward)
+    return {"eval/reward": s["mean_reward"], "eval/success": s["success_rate"], "eval/n": s["episodes"]}
+
+
+def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    step = tr.state.step + 1
+    t0 = time.perf_counter()
+    tasks, group_ids = pick_tasks(tr)
+    episodes = rollouts(tr, tasks, step, progress)
+    t_roll = time.perf_counter() - t0
+    tr.state.rollouts_total += len(episodes)
+    failed = sum(ep.error is not None for ep in episodes)
+    if failed > len(episodes) / 2:
+        first = next(ep.error for ep in episodes if ep.error)
+        raise LopdError(f"step {step}: {failed} of {len(episodes)} episodes failed in the environment (first: {first})")
+    s = summarize(episodes, success_threshold=tr.recipe.bank.min_reward)
+    row: dict[str, Any] = {
+        "step": step, "algo": tr.algo, "rollouts_total": tr.state.rollouts_total,
+        "reward": s["mean_reward"], "success": s["success_rate"],
+        "tool_calls": s["tool_calls"], "repeated_tool_calls": s["repeated_tool_calls"],
+        "invalid_tool_calls": s["invalid_tool_calls"], "first_turn_tokens": s["first_turn_tokens"],
+        "episode_errors": failed,
+    }
+    row.update(update(tr, episodes, group_ids))
+    if tr.algo == "lopd":
+        row["beta"] = tr.state.beta
+    if tr.recipe.bank.grow and tr.algo in ("lopd", "opsd"):
+        row["bank_added"] = grow_bank(tr, episodes)
+    gen_tokens = sum(sum(ep.action_mask) for ep in episodes)
+    row.update(sec_rollout=t_roll, gen_tokens_per_s=gen_tokens / max(t_roll, 1e-9),
+               update_tokens_per_s=row["update_tokens"] / max(row["sec_update"], 1e-9),
+               sec_step=time.perf_counter() - t0, peak_memory_mb=peak_memory_mb())
+    tr.state.step = step
+    if tr.state.nonfinite_streak >= tr.recipe.train.max_nonfinite:
+        raise LopdError(
+            f"step {step}: non-finite loss or gradient in {tr.state.nonfinite_streak} steps in a row; "
+            "stopped without writing a checkpoint (lower train.lr / train.composer_lr, or check the data)"
+        )
+    return row
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save(tr: Trainer) -> Path:
+    model = tr.model
+    writers: dict[str, Callable[[Path], None]] = {}
+    if ad.has_student_adapter(model):
+        writers["student"] = lambda p: ad.save_adapter(model, ad.STUDENT, p)
+    else:
+        writers["student"] = lambda p: save_full_student(model, tr.tokenizer, p)
+    if tr.composer is not None:
+        def write_composer(p: Path) -> None:
+            tr.composer.save(p, tr.embedder_fingerprint)
+            if tr.latent_cache is not None:
+                tr.latent_cache.save(p)
+        writers["composer"] = write_composer
+    state = {
+        "step": tr.state.step, "beta": tr.state.beta, "rollouts_total": tr.state.rollouts_total,
+        "nonfinite_streak": tr.state.nonfinite_streak, "sampler": tr.state.sampler.state_dict(),
+        "student_opt": tr.student_opt.state_dict(),
+        "composer_opt": tr.composer_opt.state_dict() if tr.composer_opt else None,
+        "rng": ckpt.rng_state(),
+    }
+    meta = {"algo": tr.algo, "backbone": tr.recipe.model.backbone, "backbone_path": tr.backbone_path,
+            "student": tr.recipe.model.student, "rollouts_total": tr.state.rollouts_total}
+    return ckpt.save_checkpoint(tr.run_dir / "checkpoints", tr.state.step, meta, state, writers,
+                                keep_last=tr.recipe.train.keep_last)
+
+
+def save_full_student(model, tokenizer, out: Path) -> None:
+    """Full fine-tuning: the base weights (LoRA layers of the composer left out) as a plain
+    transformers directory."""
+    base = model.get_base_model()
+    sd = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if "lora_" not in k}
+    clean = type(base)(base.config)
+    clean.load_state_dict(sd, strict=False)
+    clean.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def restore(tr: Trainer, step_dir: Path) -> None:
+    from lopd_cli.models.composer import Composer
+
+    meta = ckpt.read_checkpoint_meta(step_dir)
+    if meta.get("algo") != tr.algo:
+        raise LopdError(f"{step_dir}: checkpoint is from algo '{meta.get('algo')}', this run is '{tr.algo}'")
+    state = ckpt.load_state(step_dir)
+    if ad.has_student_adapter(tr.model):
+        ad.load_adapter_weights(tr.model, ad.STUDENT, step_dir / "student")
+    else:
+        from transformers import AutoModelForCausalLM
+
+        full = AutoModelForCausalLM.from_pretrained(step_dir / "student", dtype=next(tr.model.parameters()).dtype)
+        own = dict(tr.model.get_base_model().named_parameters())
+        with torch.no_grad():
+            for k, v in full.state_dict().items():
+                for name in (k, k.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")):
+                    if name in own:
+                        own[name].copy_(v)
+                        break
+    if tr.composer is not None:
+        loaded = Composer.load(step_dir / "composer", tr.model, tr.tokenizer, tr.recipe.composer)
+        tr.composer.resampler.load_state_dict(loaded.resampler.state_dict())
+    tr.student_opt.load_state_dict(state["student_opt"])
+    if tr.composer_opt is not None and state.get("composer_opt"):
+        tr.composer_opt.load_state_dict(state["composer_opt"])
+    tr.state.step = state["step"]
+    tr.state.beta = state["beta"]
+    tr.state.rollouts_total = state["rollouts_total"]
+    tr.state.nonfinite_streak = state["nonfinite_streak"]
+    tr.state.sampler = TaskSampler.from_state(state["sampler"])
+    ckpt.set_rng_state(state["rng"])
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def prepare_run_dir(run_dir: Path, recipe: Recipe, resume: bool) -> Path | None:
+    """Create the run folder (resolved recipe.yaml) or, for --resume, find its latest checkpoint."""
+    from lopd_cli.config import load_recipe
+
+    if resume:
+        if not (run_dir / "recipe.yaml").is_file():
+            raise LopdError(f"--resume: {run_dir} is not a run folder (no recipe.yaml)")
+        saved = load_recipe(run_dir / "recipe.yaml")
+        mine = recipe.model_dump(exclude={"train": {"steps", "save_every", "eval_every"}})
+        theirs = saved.model_dump(exclude={"train": {"steps", "save_every", "eval_every"}})
+        if mine != theirs:
+            diff = [k for k in mine if mine[k] != theirs.get(k)]
+            raise LopdError(f"--resume: the recipe differs from {run_dir / 'recipe.yaml'} in section(s) {', '.join(diff)}")
+        try:
+            return ckpt.resolve_checkpoint(run_dir)
+        except LopdError:
+            return None  # killed before its first checkpoint: start over in the same folder
+    if (run_dir / "metrics.jsonl").exists():
+        raise LopdError(f"{run_dir} already holds a run (use --resume to continue it, or --run NAME)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    return None
+
+
+def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
+          on_step: Callable[[dict], None] | None = None,
+          progress: Callable[[int], None] | None = None) -> Trainer:
+    """Run (or resume) training to `train.steps`. Returns the trainer (its state is final)."""
+    step_dir = prepare_run_dir(run_dir, recipe, resume)
+    tr = build_trainer(project, recipe, run_dir)
+    if step_dir is not None:
+        restore(tr, step_dir)
+    tr.metrics = MetricsLog(run_dir, recipe.train.tensorboard, resume_step=tr.state.step if resume else None)
+    t = recipe.train
+    try:
+        while tr.state.step < t.steps:
+            row = train_step(tr, progress)
+            if t.eval_every and tr.state.step % t.eval_every == 0:
+                row.update(validate(tr, tr.state.step))
+            tr.metrics.log(row)
+            if on_step:
+                on_step(row)
+            if tr.state.step % t.save_every == 0 or tr.state.step == t.steps:
+                save(tr)
+    finally:
+        tr.metrics.close()
+        if tr.retriever is not None and recipe.bank.grow:
+            tr.retriever.save()
+    return tr
