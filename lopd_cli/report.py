@@ -4,8 +4,9 @@ Reads `runs/RUN/recipe.yaml` and `runs/RUN/metrics.jsonl`. Runs with the same re
 and algorithm are one group; their seeds (`train.seed`) are averaged and drawn as mean ± 95 %
 t-band (a single seed is a plain line). Panels: training success and reward against
 `rollouts_total` (rollouts are the cost that matters), validation success against
-`rollouts_total` (rows with `"split": "validation"`), and β, Δ (with the margin m) and KL
-against `step`. Keys a run did not log (GRPO has no β or Δ) are simply absent from its panels.
+`rollouts_total` (`eval/success`, on the training row of its step or on its own
+`"split": "validation"` row), and β, Δ (with the margin m) and KL against `step`. Keys a run
+did not log (GRPO has no β or Δ) are simply absent from its panels.
 
 What it simplifies: seeds are aligned on the x values all of them logged; where none are
 common (runs cut at different points) every logged x is used with the seeds present there.
@@ -29,17 +30,19 @@ class Panel:
     key: str  # metrics.jsonl key
     x: str  # "rollouts_total" or "step"
     title: str
-    validation: bool = False  # read the validation rows instead of the training rows
 
 
 PANELS: tuple[Panel, ...] = (
     Panel("success", "rollouts_total", "training success"),
     Panel("reward", "rollouts_total", "training reward"),
-    Panel("eval/success", "rollouts_total", "validation success", validation=True),
+    Panel("eval/success", "rollouts_total", "validation success"),
     Panel("beta", "step", "β (dual variable)"),
     Panel("delta", "step", "Δ (privileged margin)"),
     Panel("kl", "step", "KL(student ‖ teacher)"),
 )
+
+
+UNIT_KEYS = {"success", "reward", "eval/success", "eval/reward"}
 
 
 @dataclass
@@ -48,8 +51,7 @@ class Run:
     group: str
     seed: int
     margin_m: float | None
-    train: list[dict[str, Any]]
-    validation: list[dict[str, Any]]
+    rows: list[dict[str, Any]]  # training rows and validation rows, in file order
 
 
 @dataclass
@@ -119,8 +121,7 @@ def load_run(path: Path) -> Run:
         group=f"{name} · {algo}",
         seed=int(train_sec.get("seed", 0)),
         margin_m=float(train_sec["margin_m"]) if algo == "lopd" and "margin_m" in train_sec else (0.05 if algo == "lopd" else None),
-        train=[r for r in rows if r.get("split") != "validation"],
-        validation=[r for r in rows if r.get("split") == "validation"],
+        rows=rows,
     )
 
 
@@ -142,7 +143,7 @@ def _points(rows: list[dict[str, Any]], key: str, x_key: str) -> dict[float, flo
 
 def aggregate(runs: Sequence[Run], panel: Panel) -> Series | None:
     """Mean ± 95 % t-band across the runs (seeds) of one group, or None if none logged it."""
-    per_run = [_points(r.validation if panel.validation else r.train, panel.key, panel.x) for r in runs]
+    per_run = [_points(r.rows, panel.key, panel.x) for r in runs]
     per_run = [p for p in per_run if p]
     if not per_run:
         return None
@@ -166,13 +167,13 @@ def _final_value(rows: list[dict[str, Any]], key: str, last: int = 1) -> float |
 
 
 FINAL_COLUMNS = (
-    # (label, key, rows, how many last rows to average)
-    ("success (last 5 steps)", "success", "train", 5),
-    ("reward (last 5 steps)", "reward", "train", 5),
-    ("validation success", "eval/success", "validation", 1),
-    ("β", "beta", "train", 1),
-    ("Δ", "delta", "train", 1),
-    ("KL", "kl", "train", 1),
+    # (label, key, how many last logged values to average)
+    ("success (last 5 steps)", "success", 5),
+    ("reward (last 5 steps)", "reward", 5),
+    ("validation success", "eval/success", 1),
+    ("β", "beta", 1),
+    ("Δ", "delta", 1),
+    ("KL", "kl", 1),
 )
 
 
@@ -180,8 +181,8 @@ def final_figures(groups: dict[str, list[Run]]) -> tuple[list[str], list[list[st
     header = ["run group", "seeds", "steps", "rollouts"] + [c[0] for c in FINAL_COLUMNS]
     rows, data = [], {}
     for group, runs in groups.items():
-        steps = [_final_value(r.train, "step") for r in runs]
-        rollouts = [_final_value(r.train, "rollouts_total") for r in runs]
+        steps = [_final_value(r.rows, "step") for r in runs]
+        rollouts = [_final_value(r.rows, "rollouts_total") for r in runs]
         entry: dict[str, Any] = {
             "runs": [str(r.path) for r in runs],
             "seeds": sorted(r.seed for r in runs),
@@ -189,8 +190,8 @@ def final_figures(groups: dict[str, list[Run]]) -> tuple[list[str], list[list[st
             "rollouts_total": max((s for s in rollouts if s is not None), default=None),
         }
         row = [group, str(len(runs)), _fmt_num(entry["steps"], 0), _fmt_num(entry["rollouts_total"], 0)]
-        for label, key, which, last in FINAL_COLUMNS:
-            vals = [v for r in runs if (v := _final_value(getattr(r, which), key, last)) is not None]
+        for label, key, last in FINAL_COLUMNS:
+            vals = [v for r in runs if (v := _final_value(r.rows, key, last)) is not None]
             iv = mean_interval(vals)
             entry[key] = iv.to_dict()
             if iv.estimate is None:
@@ -231,15 +232,16 @@ def build_report(run_dirs: Sequence[Path]) -> Report:
                 continue
             series[panel.key].append(s)
             label = f"{group} (n={s.seeds})" if s.seeds > 1 else group
-            marker = "o" if panel.validation or len(s.x) < 25 else None
+            marker = "o" if panel.key.startswith("eval/") or len(s.x) < 25 else None
             ax.plot(s.x, s.mean, color=colours[group], label=label, marker=marker, markersize=3)
-            lo_clip, hi_clip = (0.0, 1.0) if "success" in panel.key else (-float("inf"), float("inf"))
+            # Rewards and success rates live in [0, 1]; a 2-seed t-band (t = 12.7) would not.
+            lo_clip, hi_clip = (0.0, 1.0) if panel.key in UNIT_KEYS else (-float("inf"), float("inf"))
             band = [(x, max(lo, lo_clip), min(hi, hi_clip)) for x, lo, hi in zip(s.x, s.low, s.high) if lo is not None]
             if band:
                 bx, blo, bhi = zip(*band)
                 ax.fill_between(bx, blo, bhi, color=colours[group], alpha=0.2, linewidth=0)
         if panel.key == "delta":
-            margins = {r.margin_m for r in runs if r.margin_m is not None and any("delta" in row for row in r.train)}
+            margins = {r.margin_m for r in runs if r.margin_m is not None and any("delta" in row for row in r.rows)}
             for m in sorted(margins):
                 ax.axhline(m, color="grey", linestyle="--", linewidth=1, label=f"margin m = {m:g}")
         ax.set_title(panel.title)
