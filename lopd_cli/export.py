@@ -104,6 +104,16 @@ def _verify_reloaded(out: Path, inputs: list, reference: list, device: str) -> f
     return diff
 
 
+def _copy_backbone_generation_config(info: CheckpointInfo, out: Path, search_dirs: Iterable[Path]) -> None:
+    """The backbone's generation defaults (stop ids, sampling) win over what the model object
+    carried: a fully fine-tuned student is saved from a config-built model that lacks them."""
+    from lopd_cli.models.backbone import resolve_backbone
+
+    src = resolve_backbone(backbone_source(info), search_dirs)
+    if isinstance(src, Path) and (src / "generation_config.json").is_file():
+        shutil.copy2(src / "generation_config.json", out / "generation_config.json")
+
+
 def export_merged(
     info: CheckpointInfo,
     out: Path,
@@ -131,6 +141,7 @@ def export_merged(
     model.config.dtype = dtype
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    _copy_backbone_generation_config(info, out, search_dirs)
     del model
     diff = _verify_reloaded(out, inputs, reference, device)
     scale = max(float(x.abs().max()) for x in reference)

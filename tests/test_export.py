@@ -144,3 +144,28 @@ def test_export_check_failure_is_a_clear_error_and_leaves_nothing(tmp_path, chec
     with pytest.raises(LopdError, match="export check failed"):
         export_merged(read_checkpoint(checkpoint), out, dtype="bfloat16", atol=1e-4)
     assert not out.exists()
+
+
+def test_full_student_export(tmp_path):
+    """student: full — the checkpoint holds a whole model; export copies it with the backbone's
+    generation defaults and checks its logits the same way."""
+    model, tok = load_backbone("tiny", device="cpu")
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    model.save_pretrained(str(step / "student"))
+    tok.save_pretrained(str(step / "student"))
+    (step / "student" / "generation_config.json").unlink()
+    (step / "checkpoint.json").write_text(json.dumps({
+        "step": 2, "algo": "grpo", "backbone": "tiny", "backbone_path": str(resolve_backbone("tiny")), "student": "full"}))
+    result = export_merged(read_checkpoint(resolve_checkpoint(step)), tmp_path / "out")
+    assert result.max_abs_logit_diff <= 1e-4
+    gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+    base, _ = load_backbone("tiny", device="cpu")
+    plain = prompt_logits(base, check_inputs(tok))
+    from transformers import AutoModelForCausalLM
+    exported = prompt_logits(AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")), check_inputs(tok))
+    assert max(float((a - b).abs().max()) for a, b in zip(plain, exported)) > 1e-3  # the fine-tuned weights, not the base
+    with pytest.raises(LopdError, match="no adapter"):
+        export_adapter(read_checkpoint(step), tmp_path / "adapter")

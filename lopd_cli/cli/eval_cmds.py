@@ -49,6 +49,7 @@ def eval_cmd(
     split: Annotated[Optional[str], typer.Option(help="Task split (default: the recipe's eval.split).")] = None,
     n: Annotated[Optional[int], typer.Option("-n", help="Number of tasks (default: the recipe's eval.n, else the whole split).", min=1)] = None,
     rollouts: Annotated[Optional[Path], typer.Option("--rollouts", help="Also write every episode as rollout JSONL here.")] = None,
+    success_threshold: Annotated[float, typer.Option(help="An episode succeeds when its reward reaches this.", min=0.0, max=1.0)] = 1.0,
     set_: SetOpt = None,
     project: ProjectOpt = None,
     as_json: JsonOpt = False,
@@ -96,7 +97,7 @@ def eval_cmd(
                 episodes_done[0] += k
                 bar.update(task, advance=k, info=f"{split}")
 
-            res, episodes = run_eval(r, m, tok, label, split=split, n=n, progress=tick)
+            res, episodes = run_eval(r, m, tok, label, split=split, n=n, progress=tick, success_threshold=success_threshold)
             bar.update(task, total=len(episodes), completed=len(episodes), info=f"success {res.success.estimate:.1%}")
             results.append(res)
             all_episodes += episodes
@@ -109,7 +110,7 @@ def eval_cmd(
                 f.write(json.dumps(ep.to_record(), ensure_ascii=False) + "\n")
 
     settings = {"recipe": str(r.source), "split": split, "n": results[0].n if results else 0,
-                "temperature": r.eval.temperature, "success_threshold": 1.0}
+                "temperature": r.eval.temperature, "success_threshold": success_threshold}
     if as_json:
         print_json({**settings, "models": [x.to_dict() for x in results]})
         return
@@ -120,7 +121,7 @@ def eval_cmd(
     if crows:
         _print_table("success per category (95 % Wilson interval)", cheader, crows)
     console.print(
-        "success: reward = 1 (all checks pass; with greedy decoding on code this is pass@1), 95 % Wilson interval; "
+        f"success: reward ≥ {success_threshold:g} (1 = all checks pass; greedy on code: pass@1), 95 % Wilson interval; "
         "reward and behaviour: mean ± 95 % t-interval half-width.", style="dim", highlight=False,
     )
     errors = sum(x.errors for x in results)
