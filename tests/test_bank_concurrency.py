@@ -37,12 +37,15 @@ def test_four_processes_adding_different_files_lose_nothing(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", ADD_FILE, str(bank_path), str(f), str(go)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for f in files]
     for p in procs:
-        assert p.stdout.readline().strip() == "ready"
+        first = p.stdout.readline().strip()
+        if first != "ready":
+            go.touch()
+            raise AssertionError(f"writer did not start: {first!r} {p.communicate(timeout=60)}")
     go.touch()
     results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
     for out, err, rc in results:
         assert rc == 0, err
-        assert out.split() == ["3000", "0", "0", "True"]
+        assert out.split() == ["3000", "0", "0", "True"], (out, err)
     bank = Bank(bank_path)
     assert bank.count() == 12000 and bank.count(success_only=True) == 6000
     assert len({i.task_id for i in bank.iter_items(success_only=False)}) == 12000
