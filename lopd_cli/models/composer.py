@@ -9,6 +9,11 @@ n_ret results of a task are concatenated: c_φ has n_ret·K rows.
 Unlike the reference code, items are encoded in batches: right-padded, with padding masks in the
 backbone and in χ, so a batch gives the same latents as one item at a time (tested to 1e-5).
 
+One change to the reference initialisation: `norm_out`'s gain starts at the RMS of the
+backbone's input-embedding entries instead of 1, so latents enter the teacher at the scale of
+ordinary token embeddings (a LayerNorm with gain 1 gives rows of norm √d: 11.3 on the tiny
+model, whose token embeddings have norm 0.23).
+
 What it simplifies: the retrieved item's system prompt and tool schemas are left out of its
 rendering (the teacher already sees both in its own prompt, and they would use up the
 max_item_tokens budget); truncation keeps the first max_item_tokens tokens.
@@ -179,6 +184,9 @@ class Composer(nn.Module):
         self.encode_batch_size = encode_batch_size
         self.dims = ResamplerDims.from_backbone(model.config, composer_cfg)
         self.resampler = Resampler(self.dims).to(next(model.parameters()).device)
+        with torch.no_grad():  # start latents at the scale of the backbone's token embeddings
+            emb = model.get_input_embeddings().weight
+            self.resampler.norm_out.weight.fill_(float(emb.float().pow(2).mean().sqrt()))
 
     @property
     def backbone(self):

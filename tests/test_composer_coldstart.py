@@ -1,0 +1,123 @@
+"""Cold start: data split, own-task exclusion, the c_φ0 cache and `lopd coldstart` end to end."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from lopd_cli.errors import LopdError
+from lopd_cli.models.latent_cache import LatentCache, cache_key
+from lopd_cli.train.coldstart import same_norm_random, split_by_task
+
+
+@dataclass
+class Ref:
+    id: int
+    task_id: str | None
+    instruction: str
+
+
+def test_split_by_task_holds_out_whole_tasks():
+    items = [Ref(i, f"t{i % 7}", f"do {i % 7}") for i in range(40)]
+    train, val = split_by_task(items, 0.3, seed=1)
+    assert len(train) + len(val) == 40 and val and train
+    assert not ({r.task_id for r in train} & {r.task_id for r in val})
+    assert split_by_task(items, 0.3, seed=1) == (train, val)
+
+
+def test_same_norm_random_keeps_row_norms():
+    x = torch.randn(2, 6, 16) * 3
+    r = same_norm_random(x, torch.Generator().manual_seed(0))
+    assert torch.allclose(r.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+    assert not torch.allclose(r, x)
+
+
+def test_latent_cache_keys_and_roundtrip(tmp_path):
+    refs = [Ref(3, "a", "x"), Ref(9, "b", "y")]
+    cache = LatentCache()
+    lat = torch.randn(8, 4)
+    cache.put("Refund order 7", refs, lat)
+    assert torch.equal(cache.get("Refund order 7", refs), lat)
+    assert cache.get("Refund order 8", refs) is None  # the encoder sees the task: other task, other key
+    assert cache.get("Refund order 7", refs[::-1]) is None  # order matters (concatenation order)
+    assert cache_key("t", [3, 9]) != cache_key("t", [39])
+    assert cache.lookup(["Refund order 7", "other"], [refs, refs]) is None
+    cache.save(tmp_path)
+    again = LatentCache.load(tmp_path)
+    assert torch.equal(again.lookup(["Refund order 7"], [refs])[0], lat)
+
+
+def _oracle_records(n: int) -> list[dict]:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from coldstart_nll import oracle_records
+    from lopd_cli.envs.orders import OrdersEnv
+
+    env = OrdersEnv(n_train=n)
+    return oracle_records(env, env.tasks("train"))
+
+
+@pytest.mark.slow
+def test_coldstart_cli_end_to_end(tmp_path):
+    from lopd_cli.bank.index import build_index
+    from lopd_cli.bank.retrieve import Retriever
+    from lopd_cli.bank.store import Bank
+    from lopd_cli.cli.main import run
+    from lopd_cli.models.adapters import attach_adapters
+    from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.models.composer import Composer
+    from lopd_cli.scaffold import create_project
+    from lopd_cli.train.coldstart import make_examples
+
+    project = create_project(tmp_path / "p", example="orders", model="tiny")
+    sets = ["env.kwargs={n_train: 8}", "coldstart.steps=2", "coldstart.batch_size=2", "coldstart.eval_every=1",
+            "coldstart.val_fraction=0.25", "composer.num_queries=2", "composer.depth=1", "composer.max_item_tokens=64",
+            "bank.n_retrieve=2"]
+    recipe = project.load_recipe("toolcall", sets)
+    with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
+        bank.add_records(_oracle_records(8), source="oracle")
+    build_index(project, recipe, progress=False)
+
+    args = ["coldstart", "-C", str(project.root), "--recipe", "toolcall", "--run", "cs", "--json"]
+    for s in sets:
+        args += ["--set", s]
+    try:
+        run(args)
+    except SystemExit as e:  # only on failure (or an explicit exit 0)
+        assert not e.code, e.code
+    out = project.runs_dir / "cs" / "composer"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dims"]["num_queries"] == 2 and manifest["embedder_fingerprint"].startswith("all-minilm")
+    assert len([json.loads(l) for l in (project.runs_dir / "cs" / "metrics.jsonl").read_text().splitlines()]) == 2
+    cache = LatentCache.load(out)
+    assert len(cache) == 8 and all(t.shape == (4, 128) for t in cache.entries.values())
+
+    # Retrieval never hands a target its own task; the saved composer reproduces c_φ0.
+    model, tok = load_backbone("tiny", device="cpu")
+    model = attach_adapters(model, recipe)
+    retriever = Retriever.open(project, recipe)
+    try:
+        items = retriever.bank.items()
+        examples = make_examples(tok, retriever, items, 2, None)
+        assert len(examples) == 8
+        for ex in examples:
+            assert all(r.task_id != ex.episode.task.id for r in ex.refs)
+        composer = Composer.load(out, model, tok, recipe.composer)
+        task = examples[0].episode.task
+        refs = retriever.retrieve(task.instruction, 2, exclude_task_ids=[task.id], exclude_instructions=[task.instruction])
+        with torch.no_grad():
+            live = composer([refs], [task.instruction])[0]
+        assert torch.allclose(cache.get(task.instruction, refs), live, atol=1e-5)
+    finally:
+        retriever.close()
+
+    # A composer made for another backbone is refused with a clear message.
+    manifest["backbone_fingerprint"] = "ffffffffffffffff"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(LopdError, match="backbone"):
+        Composer.load(out, model, tok, recipe.composer)
