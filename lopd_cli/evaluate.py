@@ -169,13 +169,20 @@ def evaluate_episodes(label: str, episodes: Sequence, success_threshold: float =
     return summarize_figures(label, figures, errors=sum(e.error is not None for e in episodes))
 
 
+def spread(items: Sequence, n: int | None) -> list:
+    """n items evenly spaced through `items` (all of them when n is None or larger), so a
+    split ordered by category (BFCL) keeps every category in a small sample. Deterministic."""
+    if n is None or n >= len(items):
+        return list(items)
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
 def eval_tasks(env_factory, split: str, n: int | None) -> list:
-    """The first n tasks of a split, each once (repeating a task under greedy decoding would
-    only narrow the interval without adding information)."""
+    """n tasks of a split, each once (repeating a task under greedy decoding would only narrow
+    the interval without adding information)."""
     from lopd_cli.agent.runner import select_tasks
 
-    tasks = select_tasks(env_factory, split, None)
-    return tasks if n is None else tasks[:n]
+    return spread(select_tasks(env_factory, split, None), n)
 
 
 def run_eval(recipe, model, tokenizer, label: str, split: str | None = None, n: int | None = None,

@@ -13,6 +13,7 @@ from lopd_cli.evaluate import (
     comparison_rows,
     markdown_table,
     mean_interval,
+    spread,
     summarize_figures,
     t_quantile_975,
     wilson_interval,
@@ -86,3 +87,11 @@ def test_summary_per_category_and_tables():
     assert [r[0] for r in crows] == ["multiple", "simple"]
     assert crows[1][3].startswith("75.0 %")
     assert math.isclose(res.to_dict()["success"]["low"], wilson_interval(3, 6).low)
+
+
+def test_spread_keeps_every_category_of_an_ordered_split():
+    items = [f"a{i}" for i in range(10)] + [f"b{i}" for i in range(10)] + [f"c{i}" for i in range(10)]
+    picked = spread(items, 6)
+    assert len(picked) == len(set(picked)) == 6
+    assert {p[0] for p in picked} == {"a", "b", "c"}
+    assert spread(items, None) == items and spread(items, 100) == items

@@ -116,6 +116,9 @@ def eval_cmd(
         return
     decoding = "greedy" if r.eval.temperature == 0 else f"temperature {r.eval.temperature:g}"
     header, rows = comparison_rows(results)
+    humaneval = bool(all_episodes) and all(ep.task.id.startswith("HumanEval") for ep in all_episodes)
+    if humaneval and r.eval.temperature == 0 and success_threshold == 1.0:
+        decoding += " · success = HumanEval pass@1"
     _print_table(f"{r.name or 'recipe'} · split {split} · {decoding}", header, rows)
     cheader, crows = category_rows(results)
     if crows:
