@@ -32,18 +32,36 @@ def _project_backbone(model: str) -> str:
     return str(p.resolve())
 
 
-def create_project(directory: Path, example: str, model: str, force: bool = False, seed: int = 0) -> Project:
+# Where `lopd init --example orders --model tiny` puts the trained base policy, as the project's
+# recipes name it (relative paths resolve from the recipe's folder, recipes/).
+BASE_POLICY_DIR = "models/base"
+BASE_POLICY_BACKBONE = "../models/base"
+
+
+def create_project(directory: Path, example: str, model: str, force: bool = False, seed: int = 0,
+                   base_policy: bool = True, progress=None) -> Project:
+    """Lay out a project. With `--example orders --model tiny` (and `base_policy`), the tiny
+    orders base policy (short imitation of a noisy oracle, cached after the first build) is
+    copied into models/base and the orders recipe points at it: random tiny weights never
+    succeed, and LOPD needs a base model that sometimes does."""
     if example not in EXAMPLES:
         raise LopdError(f"--example '{example}': choose one of {', '.join(EXAMPLES)}")
     backbone = _project_backbone(model)
     project = init_project(Path(directory), example=example, model=model, force=force, seed=seed)
+    orders_backbone = backbone
+    if base_policy and model == "tiny" and example == "orders":
+        from lopd_cli.envs.orders_policy import install_orders_base_policy
+
+        install_orders_base_policy(project.root / BASE_POLICY_DIR, seed=seed, progress=progress)
+        orders_backbone = BASE_POLICY_BACKBONE
     wanted = dict(ALWAYS)
     if example not in wanted.values():
         wanted[example] = example
     for name, family in wanted.items():
         src = _family_recipe(family, model)
         if src is not None:
-            write_recipe_for_model(src, project.recipes_dir / f"{name}.yaml", backbone)
+            chosen = orders_backbone if family == "orders" else backbone
+            write_recipe_for_model(src, project.recipes_dir / f"{name}.yaml", chosen)
     if not (project.recipes_dir / "toolcall.yaml").exists():
         raise LopdError("the packaged orders recipe is missing: reinstall lopd")
     return project

@@ -18,12 +18,24 @@ def init(
     model: Annotated[str, typer.Option(help="tiny, smollm2-135m-instruct, or a transformers directory.")] = "tiny",
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing project's settings and recipes.")] = False,
     seed: Annotated[int, typer.Option(help="Project seed.")] = 0,
+    base_policy: Annotated[bool, typer.Option("--base-policy/--no-base-policy", help="With --example orders --model tiny: train the tiny base policy into models/base (cached after the first build).")] = True,
     debug: DebugOpt = False,
 ) -> None:
     """Create a project: lopd.yaml, recipes/ (toolcall.yaml and code.yaml always), runs/, models/."""
+    from lopd_cli.cli.common import progress as progress_bar
     from lopd_cli.scaffold import create_project
 
-    project = create_project(directory, example=example, model=model, force=force, seed=seed)
+    with progress_bar(transient=True) as bar:
+        job = None
+
+        def on_step(step: int, steps: int, loss: float) -> None:
+            nonlocal job
+            if job is None:
+                job = bar.add_task("training the tiny base policy", total=steps, info="")
+            bar.update(job, completed=step, info=f"loss {loss:.3f}")
+
+        project = create_project(directory, example=example, model=model, force=force, seed=seed,
+                                 base_policy=base_policy, progress=on_step)
     console.print(f"[green]created[/green] lopd project in {project.root}")
     for r in sorted(project.recipes_dir.glob("*.yaml")):
         console.print(f"  recipes/{r.name}")

@@ -1,0 +1,79 @@
+"""`lopd rollout` from a user's point of view: JSONL the bank accepts, plugins, failures."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "custom_env" / "recipe.yaml"
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def project(lopd, tmp_path):
+    assert lopd("init", "p", "--no-base-policy", cwd=tmp_path).code == 0
+    return tmp_path / "p"
+
+
+def test_example_plugin_runs_in_a_fresh_project_and_feeds_the_bank(lopd, project):
+    r = lopd("rollout", "--recipe", str(EXAMPLE), "-n", "4", "--out", "thermo.jsonl", "--json", cwd=project)
+    assert r.code == 0, r
+    summary = json.loads(r.out)
+    assert summary["episodes"] == 4 and summary["errors"] == 0
+    recs = lines(project / "thermo.jsonl")
+    assert len(recs) == 4 and recs[0]["task_id"] == "thermostat-train-000"
+    assert recs[0]["messages"][0]["role"] == "system" and recs[0]["meta"]["env"] == "thermostat"
+    assert all(0.0 <= x["reward"] <= 1.0 for x in recs)
+    added = lopd("bank", "add-rollouts", "thermo.jsonl", "--min-reward", "0", cwd=project)
+    assert added.code == 0, added
+
+
+def test_orders_rollout_to_bank_and_summary(lopd, project):
+    r = lopd("rollout", "--recipe", "toolcall", "-n", "3", "--split", "test", "--to-bank", "--json",
+             "--set", "rollout.max_new_tokens=8", cwd=project)
+    assert r.code == 0, r
+    s = json.loads(r.out)
+    for key in ("success_rate", "mean_reward", "tool_calls", "repeated_tool_calls", "invalid_tool_calls", "first_turn_tokens"):
+        assert key in s
+    assert s["first_turn_tokens"] <= 8 and Path(s["out"]).is_file() and "bank" in s
+    recs = lines(Path(s["out"]))
+    assert [x["task_id"] for x in recs] == ["orders-test-00000", "orders-test-00001", "orders-test-00002"]
+    assert (project / "bank.sqlite").exists()
+
+
+def test_a_reward_plugin_that_returns_nonsense_is_named(lopd, project, tmp_path):
+    (tmp_path / "bad_reward.py").write_text("def score(task, transcript):\n    return 7\n")
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(EXAMPLE.read_text().replace("reward: my_rewards.py:score", "reward: bad_reward.py:score")
+                      .replace("class: thermostat_env.py", f"class: {EXAMPLE.parent}/thermostat_env.py"))
+    r = lopd("rollout", "--recipe", str(recipe), "-n", "2", "--set", "rollout.max_new_tokens=4", cwd=project)
+    assert r.code == 1 and "bad_reward.py:score" in r.err and "[0, 1]" in r.err, r
+
+
+@pytest.mark.slow
+def test_tiny_base_policy_succeeds_sometimes_but_not_mostly(lopd, tmp_path):
+    """`lopd init` trains (or copies the cached) tiny orders base policy; train success at
+    temperature 1.0 lands in the 10–40 % band."""
+    assert lopd("init", "p", "--example", "orders", "--model", "tiny", cwd=tmp_path).code == 0
+    project = tmp_path / "p"
+    assert (project / "models" / "base" / "config.json").is_file()
+    assert "backbone: ../models/base" in (project / "recipes" / "toolcall.yaml").read_text()
+    r = lopd("rollout", "--recipe", "toolcall", "-n", "64", "--json", cwd=project)
+    assert r.code == 0, r
+    s = json.loads(r.out)
+    assert 0.10 <= s["success_rate"] <= 0.40, s
+    assert lopd("bank", "add-rollouts", s["out"], cwd=project).code == 0
+
+
+@pytest.mark.slow
+def test_smollm2_rollout_writes_records_the_bank_accepts(lopd, project):
+    r = lopd("rollout", "--recipe", str(REPO / "recipes" / "orders-smollm2.yaml"), "-n", "2", "--json",
+             "--set", "rollout.max_new_tokens=24", "--set", "rollout.max_turns=2", cwd=project)
+    assert r.code == 0, r
+    s = json.loads(r.out)
+    assert s["episodes"] == 2 and s["errors"] == 0
+    assert lopd("bank", "add-rollouts", s["out"], "--min-reward", "0", cwd=project).code == 0
