@@ -1,0 +1,168 @@
+"""`lopd train` end to end on the tiny backbone: LOPD, GRPO and OPSD in one loop, the dual
+variable, guards, checkpoints and an exact resume after SIGKILL."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lopd_cli.config import load_recipe
+from lopd_cli.errors import LopdError
+from lopd_cli.project import init_project, open_project
+from lopd_cli.train.metrics import read_metrics
+
+FAST = {
+    "env": {"class": "lopd_cli.envs.orders:OrdersEnv", "kwargs": {"n_train": 40, "n_validation": 8, "n_test": 8}},
+    "rollout": {"max_new_tokens": 24, "max_turns": 2, "rollouts_per_step": 4, "batch_size": 4},
+    "composer": {"num_queries": 4, "depth": 1, "max_item_tokens": 96},
+    "coldstart": {"steps": 2, "batch_size": 4, "eval_every": 2, "val_fraction": 0.1},
+    "train": {"steps": 2, "save_every": 1, "micro_batch": 4, "group_size": 2, "lr": 1e-3, "composer_lr": 1e-3},
+}
+
+
+def _deep_update(base: dict, new: dict) -> dict:
+    for k, v in new.items():
+        base[k] = _deep_update(base.get(k, {}), v) if isinstance(v, dict) and k != "kwargs" else v
+    return base
+
+
+def _oracle_records(tasks, seed: int = 0):
+    from lopd_cli.agent.types import ToolCall
+    from lopd_cli.envs.orders import OrdersEnv
+    from lopd_cli.envs.orders_policy import noisy_oracle_transcript
+
+    rng = random.Random(seed)
+    for t in tasks:
+        msgs = noisy_oracle_transcript(t, rng, 0.2)
+        env = OrdersEnv(n_train=40, n_validation=8, n_test=8)
+        env.reset(t)
+        for m in msgs:
+            for c in m.get("tool_calls") or []:
+                args = c["function"]["arguments"]
+                env.step(ToolCall(c["function"]["name"], json.loads(args) if isinstance(args, str) else args, c["id"]))
+        yield {"task_id": t.id, "instruction": t.instruction, "messages": msgs, "reward": env.reward(msgs),
+               "tools": t.tools, "meta": {"env": "orders", "generated_by": "lopd"}}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A tiny project with a bank of (noisy) oracle rollouts, its index and a cold-start composer."""
+    from lopd_cli.bank.index import build_index
+    from lopd_cli.bank.store import Bank
+    from lopd_cli.envs.orders import OrdersEnv
+    from lopd_cli.project import packaged_recipe
+    from lopd_cli.train.coldstart import run_coldstart
+
+    root = tmp_path_factory.mktemp("proj")
+    proj = init_project(root, example="orders", model="tiny")
+    data = _deep_update(yaml.safe_load(packaged_recipe("orders-tiny").read_text()), FAST)
+    (proj.recipes_dir / "toolcall.yaml").write_text(yaml.safe_dump(data))
+    recipe = proj.load_recipe("toolcall")
+    tasks = OrdersEnv(n_train=40, n_validation=8, n_test=8).tasks("train")[:24]
+    with Bank(proj.bank_path(recipe), recipe.bank.min_reward) as bank:
+        bank.add_records(list(_oracle_records(tasks)), source="oracle")
+    build_index(proj, recipe, progress=False)
+    run_coldstart(proj, recipe, proj.runs_dir / "coldstart", show_progress=False)
+    return proj
+
+
+def _run(project, name: str, overrides: list[str]):
+    from lopd_cli.train.loop import train
+
+    recipe = project.load_recipe("toolcall", overrides)
+    return train(project, recipe, project.runs_dir / name), read_metrics(project.runs_dir / name)
+
+
+def test_lopd_steps_update_student_and_composer(project):
+    tr, rows = _run(project, "lopd-a", [])
+    assert [r["step"] for r in rows] == [1, 2]
+    # every rollout counts: the 24 lopd-generated bank rows, then 4 per step
+    assert [r["rollouts_total"] for r in rows] == [28, 32]
+    for key in ("reward", "success", "kl", "delta", "beta", "anchor", "grad_norm_student", "grad_norm_composer",
+                "sec_teacher", "sec_student", "sec_composer", "peak_memory_mb"):
+        assert rows[-1][key] is not None, key
+    assert all(r["beta"] >= 0 for r in rows)
+    ckpt = project.runs_dir / "lopd-a" / "checkpoints" / "latest"
+    assert (ckpt / "student" / "adapter_model.safetensors").exists() and (ckpt / "composer" / "manifest.json").exists()
+    from safetensors.torch import load_file
+
+    before = load_file(str(project.runs_dir / "coldstart" / "composer" / "qformer.safetensors"))
+    after = load_file(str(ckpt / "composer" / "qformer.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the composer must train"
+    lora = load_file(str(ckpt / "student" / "adapter_model.safetensors"))
+    assert any(float(v.abs().sum()) > 0 for k, v in lora.items() if "lora_B" in k), "the student must train"
+
+
+def test_frozen_composer_does_not_change(project):
+    tr, rows = _run(project, "lopd-frozen", ["train.freeze_composer=true"])
+    from safetensors.torch import load_file
+
+    before = load_file(str(project.runs_dir / "coldstart" / "composer" / "qformer.safetensors"))
+    after = load_file(str(project.runs_dir / "lopd-frozen" / "checkpoints" / "latest" / "composer" / "qformer.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert rows[-1]["grad_norm_composer"] is None
+
+
+@pytest.mark.parametrize("algo", ["grpo", "opsd"])
+def test_baselines_run_in_the_same_loop(project, algo):
+    tr, rows = _run(project, f"{algo}-a", [f"train.algo={algo}"])
+    assert [r["algo"] for r in rows] == [algo, algo]
+    assert rows[-1]["rollouts_total"] == (8 if algo == "grpo" else 32)
+    assert "beta" not in rows[-1]
+    assert (project.runs_dir / f"{algo}-a" / "checkpoints" / "latest" / "student").is_dir()
+
+
+def test_beta_rises_below_margin_and_stays_zero_above(project):
+    _, high = _run(project, "beta-high", ["train.margin_m=10.0", "train.steps=3"])
+    betas = [r["beta"] for r in high]
+    assert betas[0] > 0 and betas == sorted(betas) and betas[-1] > betas[0], betas
+    _, low = _run(project, "beta-low", ["train.margin_m=-10.0", "train.beta0=1.0", "train.steps=2"])
+    assert [r["beta"] for r in low] == [0.0, 0.0], "β falls to 0 (clamped) when Δ > m"
+
+
+def test_rerun_into_existing_folder_is_refused(project):
+    _run(project, "once", ["train.steps=1", "train.algo=grpo"])
+    with pytest.raises(LopdError, match="already holds a run"):
+        _run(project, "once", ["train.steps=1", "train.algo=grpo"])
+
+
+def _numeric(row: dict) -> dict:
+    skip = ("sec_", "tokens_per_s", "peak_memory")
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not k.startswith(skip) and not any(s in k for s in skip)}
+
+
+def test_exact_resume_after_sigkill(project):
+    env = {**os.environ, "LOPD_THREADS": "1"}
+    cmd = [sys.executable, "-m", "lopd_cli", "train", "-C", str(project.root), "--recipe", "toolcall",
+           "--set", "train.steps=4", "--set", "train.save_every=2", "--json"]
+    subprocess.run(cmd + ["--run", "straight"], check=True, env=env, capture_output=True)
+    straight = read_metrics(project.runs_dir / "straight")
+
+    proc = subprocess.Popen(cmd + ["--run", "killed"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckdir = project.runs_dir / "killed" / "checkpoints"
+    deadline = time.time() + 600
+    while not (ckdir / "step_2").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (ckdir / "step_2").exists()
+    assert not (ckdir / "step_4").exists(), "killed too late to test a resume"
+    subprocess.run(cmd + ["--run", "killed", "--resume"], check=True, env=env, capture_output=True)
+    resumed = read_metrics(project.runs_dir / "killed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight[2:], resumed[2:]):
+        na, nb = _numeric(a), _numeric(b)
+        assert na.keys() == nb.keys()
+        for k in na:
+            if na[k] is None:
+                assert nb[k] is None
+            else:
+                assert nb[k] == pytest.approx(na[k], abs=1e-5, rel=1e-5), k
