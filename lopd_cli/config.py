@@ -123,6 +123,9 @@ class EvalSection(Section):
     split: str = "test"
     n: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0)
+    # An episode "succeeds" when its reward reaches this: in training metrics, validation and
+    # `lopd eval` alike. (bank.min_reward is a different thing: which rollouts the bank keeps.)
+    success_threshold: float = Field(1.0, ge=0.0, le=1.0)
 
 
 class Recipe(Section):

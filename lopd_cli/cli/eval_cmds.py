@@ -49,7 +49,7 @@ def eval_cmd(
     split: Annotated[Optional[str], typer.Option(help="Task split (default: the recipe's eval.split).")] = None,
     n: Annotated[Optional[int], typer.Option("-n", help="Number of tasks (default: the recipe's eval.n, else the whole split).", min=1)] = None,
     rollouts: Annotated[Optional[Path], typer.Option("--rollouts", help="Also write every episode as rollout JSONL here.")] = None,
-    success_threshold: Annotated[float, typer.Option(help="An episode succeeds when its reward reaches this.", min=0.0, max=1.0)] = 1.0,
+    success_threshold: Annotated[Optional[float], typer.Option(help="An episode succeeds when its reward reaches this (default: the recipe's eval.success_threshold).", min=0.0, max=1.0)] = None,
     set_: SetOpt = None,
     project: ProjectOpt = None,
     as_json: JsonOpt = False,
@@ -65,6 +65,8 @@ def eval_cmd(
 
     proj = open_project(project, required=recipe is None)
     r = load_recipe(find_recipe(recipe or proj.settings.recipe, proj), set_ or [])
+    if success_threshold is None:
+        success_threshold = r.eval.success_threshold
     search = [r.base_dir] + ([proj.root] if proj else [])
     split = split or r.eval.split
     n = n if n is not None else r.eval.n

@@ -330,7 +330,7 @@ def validate(tr: Trainer, step: int) -> dict[str, Any]:
         eps = run_episodes(tr.model, tr.tokenizer, tr.env_factory, tasks, tr.recipe.rollout,
                            seed=10_007 + step, reward_fn=tr.reward_fn, temperature=tr.recipe.eval.temperature,
                            meta={"phase": "validation"})
-    s = summarize(eps, success_threshold=tr.recipe.bank.min_reward)
+    s = summarize(eps, success_threshold=tr.recipe.eval.success_threshold)
     return {"eval/reward": s["mean_reward"], "eval/success": s["success_rate"], "eval/n": s["episodes"]}
 
 
@@ -345,7 +345,7 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     if failed > len(episodes) / 2:
         first = next(ep.error for ep in episodes if ep.error)
         raise LopdError(f"step {step}: {failed} of {len(episodes)} episodes failed in the environment (first: {first})")
-    s = summarize(episodes, success_threshold=tr.recipe.bank.min_reward)
+    s = summarize(episodes, success_threshold=tr.recipe.eval.success_threshold)
     row: dict[str, Any] = {
         "step": step, "algo": tr.algo, "rollouts_total": tr.state.rollouts_total,
         "reward": s["mean_reward"], "success": s["success_rate"],
