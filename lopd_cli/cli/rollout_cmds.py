@@ -59,7 +59,7 @@ def rollout(
     model, tokenizer = load_backbone(r.model.backbone, r.model.dtype, r.model.device, search)
     seed = r.train.seed if seed is None else seed
     name = r.name or (Path(r.source).stem if r.source else "recipe")
-    meta = {"model": r.model.backbone, "recipe": name, "split": split}
+    meta = {"model": r.model.backbone, "recipe": name, "split": split, "generated_by": "lopd"}
 
     with progress() as bar:
         job = bar.add_task("rollouts", total=len(tasks), info="")
