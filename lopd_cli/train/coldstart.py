@@ -287,7 +287,8 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
                                           "n_retrieve": n_ret})
         env = load_env_class(recipe.env.cls, recipe.base_dir)(**recipe.env.kwargs)
         with torch.no_grad():
-            cache = build_anchor_cache(composer, retriever, env.tasks("train"), n_ret, recipe.bank.allow_self_retrieval)
+            tasks = env.tasks("train")[: cs.anchor_cache_tasks]
+            cache = build_anchor_cache(composer, retriever, tasks, n_ret, recipe.bank.allow_self_retrieval)
         cache.save(out)
         summary = {
             "run_dir": str(run_dir), "composer": str(out), "steps": cs.steps,
