@@ -1,77 +1,24 @@
 """`lopd train` end to end on the tiny backbone: LOPD, GRPO and OPSD in one loop, the dual
 variable, guards, checkpoints and an exact resume after SIGKILL."""
 
-import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from lopd_cli.config import load_recipe
+from _train_fixtures import build_project, numeric
 from lopd_cli.errors import LopdError
-from lopd_cli.project import init_project, open_project
 from lopd_cli.train.metrics import read_metrics
-
-FAST = {
-    "env": {"class": "lopd_cli.envs.orders:OrdersEnv", "kwargs": {"n_train": 40, "n_validation": 8, "n_test": 8}},
-    "rollout": {"max_new_tokens": 24, "max_turns": 2, "rollouts_per_step": 4, "batch_size": 4},
-    "composer": {"num_queries": 4, "depth": 1, "max_item_tokens": 96},
-    "coldstart": {"steps": 2, "batch_size": 4, "eval_every": 2, "val_fraction": 0.1},
-    "train": {"steps": 2, "save_every": 1, "micro_batch": 4, "group_size": 2, "lr": 1e-3, "composer_lr": 1e-3},
-}
-
-
-def _deep_update(base: dict, new: dict) -> dict:
-    for k, v in new.items():
-        base[k] = _deep_update(base.get(k, {}), v) if isinstance(v, dict) and k != "kwargs" else v
-    return base
-
-
-def _oracle_records(tasks, seed: int = 0):
-    from lopd_cli.agent.types import ToolCall
-    from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import noisy_oracle_transcript
-
-    rng = random.Random(seed)
-    for t in tasks:
-        msgs = noisy_oracle_transcript(t, rng, 0.2)
-        env = OrdersEnv(n_train=40, n_validation=8, n_test=8)
-        env.reset(t)
-        for m in msgs:
-            for c in m.get("tool_calls") or []:
-                args = c["function"]["arguments"]
-                env.step(ToolCall(c["function"]["name"], json.loads(args) if isinstance(args, str) else args, c["id"]))
-        yield {"task_id": t.id, "instruction": t.instruction, "messages": msgs, "reward": env.reward(msgs),
-               "tools": t.tools, "meta": {"env": "orders", "generated_by": "lopd"}}
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """A tiny project with a bank of (noisy) oracle rollouts, its index and a cold-start composer."""
-    from lopd_cli.bank.index import build_index
-    from lopd_cli.bank.store import Bank
-    from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.project import packaged_recipe
-    from lopd_cli.train.coldstart import run_coldstart
-
-    root = tmp_path_factory.mktemp("proj")
-    proj = init_project(root, example="orders", model="tiny")
-    data = _deep_update(yaml.safe_load(packaged_recipe("orders-tiny").read_text()), FAST)
-    (proj.recipes_dir / "toolcall.yaml").write_text(yaml.safe_dump(data))
-    recipe = proj.load_recipe("toolcall")
-    tasks = OrdersEnv(n_train=40, n_validation=8, n_test=8).tasks("train")[:24]
-    with Bank(proj.bank_path(recipe), recipe.bank.min_reward) as bank:
-        bank.add_records(list(_oracle_records(tasks)), source="oracle")
-    build_index(proj, recipe, progress=False)
-    run_coldstart(proj, recipe, proj.runs_dir / "coldstart", show_progress=False)
-    return proj
+    return build_project(tmp_path_factory.mktemp("proj"))
 
 
 def _run(project, name: str, overrides: list[str]):
@@ -134,11 +81,6 @@ def test_rerun_into_existing_folder_is_refused(project):
         _run(project, "once", ["train.steps=1", "train.algo=grpo"])
 
 
-def _numeric(row: dict) -> dict:
-    skip = ("sec_", "tokens_per_s", "peak_memory")
-    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not k.startswith(skip) and not any(s in k for s in skip)}
-
-
 def test_exact_resume_after_sigkill(project):
     env = {**os.environ, "LOPD_THREADS": "1"}
     cmd = [sys.executable, "-m", "lopd_cli", "train", "-C", str(project.root), "--recipe", "toolcall",
@@ -159,7 +101,7 @@ def test_exact_resume_after_sigkill(project):
     resumed = read_metrics(project.runs_dir / "killed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight[2:], resumed[2:]):
-        na, nb = _numeric(a), _numeric(b)
+        na, nb = numeric(a), numeric(b)
         assert na.keys() == nb.keys()
         for k in na:
             if na[k] is None:

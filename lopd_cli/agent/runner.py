@@ -230,18 +230,23 @@ def run_episodes(
     backend: Backend | None = None,
     temperature: float | None = None,
     meta: dict | None = None,
+    index_offset: int = 0,
 ) -> list[Episode]:
     """Roll out one episode per task (repeat a task in `tasks` for several rollouts of it).
 
     Episodes are generated `rollout_cfg.batch_size` at a time. `temperature` overrides the
     recipe's (e.g. 0 for greedy evaluation). `progress(k)` is called as k episodes finish.
     `meta` is merged into every episode's meta (e.g. model name). Deterministic for a seed.
+    `index_offset`: where `tasks` start in a larger batch split across processes (torchrun
+    ranks); sampling is seeded per chunk by the chunk's position in that global batch, so a
+    rank whose share starts on a chunk boundary samples exactly what one process would.
     """
     backend = backend or make_backend(rollout_cfg.backend, model, tokenizer)
     stop_ids = stop_token_ids(tokenizer)
     temp = rollout_cfg.temperature if temperature is None else temperature
     out: list[Episode] = []
-    for chunk_no, lo in enumerate(range(0, len(tasks), rollout_cfg.batch_size)):
+    for lo in range(0, len(tasks), rollout_cfg.batch_size):
+        chunk_key = _chunk_key(index_offset + lo, rollout_cfg.batch_size)
         lives = [_start(t, env_factory, tokenizer) for t in tasks[lo: lo + rollout_cfg.batch_size]]
         turn = 0
         while True:
@@ -252,7 +257,7 @@ def run_episodes(
             params = SamplingParams(
                 temperature=temp, top_p=rollout_cfg.top_p,
                 max_new_tokens=max(1, min(rollout_cfg.max_new_tokens, room)),
-                seed=(seed * 1_000_003 + chunk_no * 10_007 + turn) % (2**63),
+                seed=(seed * 1_000_003 + chunk_key * 10_007 + turn) % (2**63),
             )
             gens = backend.generate([lv.episode.input_ids for lv in live], params, stop_ids)
             for lv, gen in zip(live, gens):
@@ -265,6 +270,12 @@ def run_episodes(
                 progress(1)  # failed before generating
             out.append(_finish(lv, reward_fn, {"seed": seed, **(meta or {})}))
     return out
+
+
+def _chunk_key(start: int, batch_size: int) -> int:
+    """The sampling-seed key of a chunk starting at global episode index `start`: its chunk
+    number when it starts on a chunk boundary (always, in one process), a distinct key otherwise."""
+    return start // batch_size + (start % batch_size) * 100_003
 
 
 # ---------------------------------------------------------------- recipe helpers

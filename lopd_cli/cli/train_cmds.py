@@ -14,7 +14,10 @@ def train(
     algo: Annotated[Optional[str], typer.Option("--algo", help="lopd (default), grpo or opsd: sets train.algo.")] = None,
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run from its latest checkpoint.")] = False,
-    run: Annotated[Optional[str], typer.Option("--run", help="Run folder name under runs/ (default: ALGO-TIME).")] = None,
+    run: Annotated[Optional[str], typer.Option(
+        "--run", "--run-name",
+        help="Run folder name under runs/ (default: ALGO-TIME). Under torchrun write --run-name "
+             "(torchrun reads --run as its own --run-path).")] = None,
     project: ProjectOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -22,8 +25,10 @@ def train(
     """Train the student on its own rollouts; writes runs/RUN/{recipe.yaml, metrics.jsonl, checkpoints/}."""
     from lopd_cli.errors import LopdError
     from lopd_cli.project import open_project
+    from lopd_cli.train import distributed as dist
     from lopd_cli.train.loop import train as run_training
 
+    dist.init_from_env()  # torchrun / accelerate launch: one process per rank runs this command
     proj = open_project(project)
     overrides = list(set_ or [])
     if algo is not None:
@@ -31,14 +36,20 @@ def train(
             raise LopdError(f"--algo '{algo}': choose lopd, grpo or opsd")
         overrides.append(f"train.algo={algo}")
     r = proj.load_recipe(recipe, overrides)
-    if resume and not run:
-        runs = sorted((p for p in proj.runs_dir.glob(f"{r.train.algo}-*") if (p / "recipe.yaml").exists()),
-                      key=lambda p: p.stat().st_mtime)
-        if not runs:
-            raise LopdError(f"--resume: no {r.train.algo} run in {proj.runs_dir} (name one with --run)")
-        run_dir = runs[-1]
-    else:
-        run_dir = proj.new_run_dir(run, r.train.algo)
+
+    def pick_run_dir():
+        if resume and not run:
+            runs = sorted((p for p in proj.runs_dir.glob(f"{r.train.algo}-*") if (p / "recipe.yaml").exists()),
+                          key=lambda p: p.stat().st_mtime)
+            if not runs:
+                raise LopdError(f"--resume: no {r.train.algo} run in {proj.runs_dir} (name one with --run)")
+            return runs[-1]
+        return proj.new_run_dir(run, r.train.algo)
+
+    run_dir = dist.on_main(pick_run_dir)  # one name for all ranks (the default holds the time)
+    if not dist.is_main():  # ranks other than 0 train silently; rank 0 shows progress and results
+        run_training(proj, r, run_dir, resume=resume)
+        return
     rows: list[dict] = []
     with progress(transient=as_json) as bar:
         task = bar.add_task(f"{r.train.algo} steps", total=r.train.steps, info="")

@@ -36,6 +36,22 @@ class StudentBatch:
         return int((self.mask.sum(1) > 0).sum())
 
 
+@dataclass(frozen=True)
+class BatchTotals:
+    """What batch-level means divide by: counted over the WHOLE step's batch, which under
+    torchrun is spread over several ranks (each rank weights its part by these)."""
+
+    n_sequences: int  # episodes with at least one supervised token
+    n_tokens: int  # supervised (action) tokens
+    n_episodes: int
+
+
+def batch_totals(episodes: Sequence[Episode]) -> BatchTotals:
+    """The same counts `collate` gives (prediction layout: the first token is never a target)."""
+    per_ep = [sum(ep.action_mask[1:]) for ep in episodes]
+    return BatchTotals(sum(n > 0 for n in per_ep), sum(per_ep), len(episodes))
+
+
 def collate(episodes: Sequence[Episode], pad_id: int, device: torch.device | str = "cpu") -> StudentBatch:
     T = max(len(ep.input_ids) for ep in episodes)
     B = len(episodes)

@@ -25,7 +25,7 @@ from lopd_cli.agent.types import Episode
 from lopd_cli.models.adapters import use_student
 from lopd_cli.models.latent import build_teacher_batch, output_head, teacher_hidden
 from lopd_cli.train import losses
-from lopd_cli.train.batch import collate, student_hidden, to_student_layout
+from lopd_cli.train.batch import BatchTotals, collate, student_hidden, to_student_layout
 
 
 @dataclass
@@ -60,10 +60,13 @@ def _autocast(enabled: bool, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Sequence[list], beta: float) -> DistillOutcome:
+def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Sequence[list], beta: float,
+                   totals: BatchTotals | None = None) -> DistillOutcome:
     """Accumulate gradients of the student (θ) and, for LOPD, the composer (φ) over the batch.
 
-    The caller zeroes gradients before and steps the optimisers after (so it can check them)."""
+    The caller zeroes gradients before and steps the optimisers after (so it can check them).
+    `totals`: the counts of the whole step's batch when `episodes` is one rank's share of it
+    (then the losses and gradients here are that rank's part of a sum over ranks)."""
     import time
 
     model, tok = setup.model, setup.tokenizer
@@ -71,8 +74,9 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
     head = output_head(model)
     pad = tok.pad_token_id or 0
     full = collate(episodes, pad, "cpu")
-    n_seq_total = max(1, full.n_sequences)
-    n_tok_total = max(1, full.n_tokens)
+    n_seq_total = max(1, totals.n_sequences if totals else full.n_sequences)
+    n_tok_total = max(1, totals.n_tokens if totals else full.n_tokens)
+    n_eps_total = max(1, totals.n_episodes if totals else len(episodes))
     out = DistillOutcome(n_tokens=full.n_tokens)
     t_teacher = t_student = t_composer = 0.0
     lopd = setup.composer is not None
@@ -85,7 +89,7 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
             continue
         w_seq = sb.n_sequences / n_seq_total
         w_tok = sb.n_tokens / n_tok_total
-        w_task = len(eps) / len(episodes)
+        w_task = len(eps) / n_eps_total
 
         # Phase 2: teacher (gradient into φ only when the composer trains).
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from lopd_cli.agent.types import Episode
 from lopd_cli.models.adapters import teacher_view, use_student
 from lopd_cli.models.latent import output_head
 from lopd_cli.train import losses
-from lopd_cli.train.batch import collate, student_hidden
+from lopd_cli.train.batch import BatchTotals, collate, student_hidden
 
 
 @dataclass
@@ -44,7 +44,10 @@ class GrpoOutcome:
     finite: bool = True
 
 
-def grpo_update(setup: GrpoSetup, episodes: Sequence[Episode], group_ids: Sequence[int]) -> GrpoOutcome:
+def grpo_update(setup: GrpoSetup, episodes: Sequence[Episode], group_ids: Sequence[int],
+                totals: BatchTotals | None = None) -> GrpoOutcome:
+    """Accumulate the policy-gradient of the batch. `totals`: the whole step's counts when
+    `episodes` is one rank's share (whole groups only); `adv_abs` is then this share's mean."""
     model, tok = setup.model, setup.tokenizer
     device = next(model.parameters()).device
     base_head = output_head(model)
@@ -54,7 +57,7 @@ def grpo_update(setup: GrpoSetup, episodes: Sequence[Episode], group_ids: Sequen
     rewards = torch.tensor([float(ep.reward) for ep in episodes])
     adv = losses.group_advantages(rewards, torch.tensor(list(group_ids)))
     full = collate(episodes, pad, "cpu")
-    n_seq_total = max(1, full.n_sequences)
+    n_seq_total = max(1, totals.n_sequences if totals else full.n_sequences)
     out = GrpoOutcome(n_tokens=full.n_tokens, adv_abs=float(adv.abs().mean()))
     t0 = time.perf_counter()
     for lo in range(0, len(episodes), setup.micro_batch):

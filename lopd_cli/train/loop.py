@@ -12,8 +12,9 @@ filling, cold start: `train.prior_rollouts`), so methods compare at equal budget
 hold everything needed for an exact resume: adapters, composer, optimiser states, β, RNG
 states, the task sampler's position and the counters.
 
-What it simplifies: a single process drives rollouts and updates (torchrun ranks each run
-their own share of a step's rollouts; see train/distributed.py when present).
+Under torchrun / accelerate launch each rank rolls out its share of the step's tasks and the
+gradients are summed over ranks (train/distributed.py); in one process every helper there is
+the identity.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from lopd_cli.models import adapters as ad
 from lopd_cli.models.backbone import load_backbone, resolve_backbone
 from lopd_cli.project import Project
 from lopd_cli.train import checkpoint as ckpt
+from lopd_cli.train import distributed as dist
+from lopd_cli.train.batch import BatchTotals, batch_totals
 from lopd_cli.train.distill import DistillSetup, distill_update
 from lopd_cli.train.grpo import GrpoSetup, grpo_update
 from lopd_cli.train.losses import dual_update
@@ -209,13 +212,15 @@ def pick_tasks(tr: Trainer) -> tuple[list, list[int]]:
     return [tr.train_tasks[i] for i in idx], list(range(R))
 
 
-def rollouts(tr: Trainer, tasks: list, step: int, progress: Callable[[int], None] | None = None) -> list[Episode]:
+def rollouts(tr: Trainer, tasks: list, step: int, progress: Callable[[int], None] | None = None,
+             index_offset: int = 0) -> list[Episode]:
     tr.model.eval()
     with torch.no_grad(), ad.use_student(tr.model):
         return run_episodes(
             tr.model, tr.tokenizer, tr.env_factory, tasks, tr.recipe.rollout,
             seed=tr.recipe.train.seed * 1_000_003 + step, reward_fn=tr.reward_fn, progress=progress,
             meta={"generated_by": "lopd", "phase": "train", "algo": tr.algo, "step": step},
+            index_offset=index_offset,
         )
 
 
@@ -258,8 +263,12 @@ def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
     return float(torch.nn.utils.clip_grad_norm_(params, clip))
 
 
-def update(tr: Trainer, episodes: list[Episode], group_ids: list[int]) -> dict[str, Any]:
-    """Gradients, guards and optimiser steps for one batch. Returns the step's loss metrics."""
+def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
+           totals: BatchTotals | None = None) -> dict[str, Any]:
+    """Gradients, guards and optimiser steps for one batch. Returns the step's loss metrics.
+
+    Distributed: `episodes` is this rank's share and `totals` counts the whole batch; the loss
+    parts and gradients are summed over ranks before the guards, so every rank steps alike."""
     t = tr.recipe.train
     tr.model.train()
     tr.student_opt.zero_grad(set_to_none=True)
@@ -270,7 +279,13 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int]) -> dict[s
     if tr.algo == "grpo":
         setup = GrpoSetup(tr.model, tr.tokenizer, tr.recipe.rollout.temperature, t.clip_eps, t.kl_coef,
                           t.micro_batch, t.logit_chunk, tr.recipe.model.autocast_bf16)
-        o = grpo_update(setup, episodes, group_ids)
+        o = grpo_update(setup, episodes, group_ids, totals)
+        if dist.is_distributed():
+            red = dist.all_reduce_sum({"loss": o.loss, "clip_fraction": o.clip_fraction, "kl_ref": o.kl_ref,
+                                       "n_tokens": o.n_tokens})
+            o.loss, o.clip_fraction, o.kl_ref, o.n_tokens = red["loss"], red["clip_fraction"], red["kl_ref"], int(red["n_tokens"])
+            o.adv_abs = dist.all_reduce_mean({"adv_abs": o.adv_abs}, weight=len(episodes))["adv_abs"]
+            o.finite = math.isfinite(o.loss)
         row.update(loss=o.loss, pg_loss=o.loss, clip_fraction=o.clip_fraction, kl_ref=o.kl_ref, adv_abs=o.adv_abs)
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
     else:
@@ -281,13 +296,21 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int]) -> dict[s
             text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else None,
             autocast=tr.recipe.model.autocast_bf16,
         )
-        o = distill_update(setup, episodes, refs, tr.state.beta)
+        o = distill_update(setup, episodes, refs, tr.state.beta, totals)
+        if dist.is_distributed():
+            red = dist.all_reduce_sum({"kl": o.kl, "composer_kl": o.composer_kl, "delta": o.delta,
+                                       "anchor": o.anchor, "n_tokens": o.n_tokens})
+            o.kl, o.composer_kl, o.delta, o.anchor = red["kl"], red["composer_kl"], red["delta"], red["anchor"]
+            o.n_tokens = int(red["n_tokens"])
+            o.composer_loss = o.composer_kl + tr.state.beta * (t.margin_m - o.delta) + t.anchor_lambda * o.anchor
+            o.finite = all(map(math.isfinite, (o.kl, o.composer_kl, o.delta, o.anchor)))
         row.update(loss=o.kl, kl=o.kl)
         if tr.algo == "lopd":
             row.update(delta=o.delta, anchor=o.anchor, composer_loss=o.composer_loss)
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
-    student_norm = _grad_norm(_student_params(tr.model), t.grad_clip)
     comp_params = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
+    dist.sum_gradients(_student_params(tr.model) + comp_params)
+    student_norm = _grad_norm(_student_params(tr.model), t.grad_clip)
     composer_norm = _grad_norm(comp_params, t.grad_clip)
     finite = finite and math.isfinite(student_norm) and math.isfinite(composer_norm)
     row.update(grad_norm_student=student_norm, grad_norm_composer=composer_norm if tr.composer_opt else None)
@@ -304,7 +327,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int]) -> dict[s
         tr.state.nonfinite_streak += 1
         row["skipped_nonfinite"] = True
     tr.model.eval()
-    row.update({f"sec_{k}": v for k, v in seconds.items()})
+    row.update(dist.all_reduce_max({f"sec_{k}": v for k, v in seconds.items()}))
     row["sec_update"] = time.perf_counter() - t0
     row["update_tokens"] = n_tokens
     return row
@@ -317,20 +340,24 @@ def grow_bank(tr: Trainer, episodes: list[Episode]) -> int:
     good = [ep for ep in episodes if ep.error is None and ep.reward >= tr.recipe.bank.min_reward]
     if not good or tr.retriever is None:
         return 0
-    with Bank(tr.project.bank_path(tr.recipe), tr.recipe.bank.min_reward) as bank:
-        res = bank.add_records([ep.to_record() for ep in good], source=f"train:{tr.run_dir.name}")
-    return tr.retriever.add(res.ids)
+
+    def write() -> list[int]:  # rank 0 writes the rows; every rank indexes them in memory
+        with Bank(tr.project.bank_path(tr.recipe), tr.recipe.bank.min_reward) as bank:
+            return list(bank.add_records([ep.to_record() for ep in good], source=f"train:{tr.run_dir.name}").ids)
+
+    return tr.retriever.add(dist.on_main(write))
 
 
 def validate(tr: Trainer, step: int) -> dict[str, Any]:
     t = tr.recipe.train
     tasks = select_tasks(tr.env_factory, "validation", t.eval_n)
+    lo, hi = dist.shard_range(len(tasks))
     tr.model.eval()
     with torch.no_grad(), ad.use_student(tr.model):
-        eps = run_episodes(tr.model, tr.tokenizer, tr.env_factory, tasks, tr.recipe.rollout,
+        eps = run_episodes(tr.model, tr.tokenizer, tr.env_factory, tasks[lo:hi], tr.recipe.rollout,
                            seed=10_007 + step, reward_fn=tr.reward_fn, temperature=tr.recipe.eval.temperature,
-                           meta={"phase": "validation"})
-    s = summarize(eps, success_threshold=tr.recipe.eval.success_threshold)
+                           meta={"phase": "validation"}, index_offset=lo)
+    s = summarize(dist.gather_lists(eps), success_threshold=tr.recipe.eval.success_threshold)
     return {"eval/reward": s["mean_reward"], "eval/success": s["success_rate"], "eval/n": s["episodes"]}
 
 
@@ -338,8 +365,12 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     step = tr.state.step + 1
     t0 = time.perf_counter()
     tasks, group_ids = pick_tasks(tr)
-    episodes = rollouts(tr, tasks, step, progress)
-    t_roll = time.perf_counter() - t0
+    # Distributed: the same global task list on every rank, each rolling out its own share.
+    dist.check_step_split(len(tasks), tr.recipe.train.group_size if tr.algo == "grpo" else None)
+    lo, hi = dist.shard_range(len(tasks))
+    local = rollouts(tr, tasks[lo:hi], step, progress, index_offset=lo)
+    episodes = dist.gather_lists(local)
+    t_roll = dist.all_reduce_max({"t": time.perf_counter() - t0})["t"]
     tr.state.rollouts_total += len(episodes)
     failed = sum(ep.error is not None for ep in episodes)
     if failed > len(episodes) / 2:
@@ -353,7 +384,7 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
         "invalid_tool_calls": s["invalid_tool_calls"], "first_turn_tokens": s["first_turn_tokens"],
         "episode_errors": failed,
     }
-    row.update(update(tr, episodes, group_ids))
+    row.update(update(tr, local, group_ids[lo:hi], batch_totals(episodes)))
     if tr.algo == "lopd":
         row["beta"] = tr.state.beta
     if tr.recipe.bank.grow and tr.algo in ("lopd", "opsd"):
@@ -361,7 +392,7 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     gen_tokens = sum(sum(ep.action_mask) for ep in episodes)
     row.update(sec_rollout=t_roll, gen_tokens_per_s=gen_tokens / max(t_roll, 1e-9),
                update_tokens_per_s=row["update_tokens"] / max(row["sec_update"], 1e-9),
-               sec_step=time.perf_counter() - t0, peak_memory_mb=peak_memory_mb())
+               **dist.all_reduce_max({"sec_step": time.perf_counter() - t0, "peak_memory_mb": peak_memory_mb()}))
     tr.state.step = step
     if tr.state.nonfinite_streak >= tr.recipe.train.max_nonfinite:
         raise LopdError(
@@ -395,9 +426,11 @@ def save(tr: Trainer) -> Path:
         "rng": ckpt.rng_state(),
     }
     meta = {"algo": tr.algo, "backbone": tr.recipe.model.backbone, "backbone_path": tr.backbone_path,
-            "student": tr.recipe.model.student, "rollouts_total": tr.state.rollouts_total}
-    return ckpt.save_checkpoint(tr.run_dir / "checkpoints", tr.state.step, meta, state, writers,
-                                keep_last=tr.recipe.train.keep_last)
+            "student": tr.recipe.model.student, "rollouts_total": tr.state.rollouts_total,
+            "world_size": dist.world_size()}
+    # Rank 0 alone writes (every rank holds the same weights and state); the others wait.
+    return dist.on_main(lambda: ckpt.save_checkpoint(tr.run_dir / "checkpoints", tr.state.step, meta, state,
+                                                     writers, keep_last=tr.recipe.train.keep_last))
 
 
 def save_full_student(model, tokenizer, out: Path) -> None:
@@ -411,12 +444,25 @@ def save_full_student(model, tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def check_world_size(step_dir: Path, meta: dict | None = None) -> None:
+    """A resume continues the same run, and how each step is split over ranks is part of it
+    (which rank samples which episodes with which seeds): the world size must match."""
+    meta = meta if meta is not None else ckpt.read_checkpoint_meta(step_dir)
+    theirs = int(meta.get("world_size", 1))
+    if theirs != dist.world_size():
+        raise LopdError(
+            f"{step_dir}: checkpoint was written by {theirs} process(es), this run has {dist.world_size()}; "
+            f"resume with the same world size (torchrun --nnodes × --nproc_per_node = {theirs})"
+        )
+
+
 def restore(tr: Trainer, step_dir: Path) -> None:
     from lopd_cli.models.composer import Composer
 
     meta = ckpt.read_checkpoint_meta(step_dir)
     if meta.get("algo") != tr.algo:
         raise LopdError(f"{step_dir}: checkpoint is from algo '{meta.get('algo')}', this run is '{tr.algo}'")
+    check_world_size(step_dir, meta)
     state = ckpt.load_state(step_dir)
     if ad.has_student_adapter(tr.model):
         ad.load_adapter_weights(tr.model, ad.STUDENT, step_dir / "student")
@@ -475,12 +521,22 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, resume: bool) -> Path | None:
 def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
           on_step: Callable[[dict], None] | None = None,
           progress: Callable[[int], None] | None = None) -> Trainer:
-    """Run (or resume) training to `train.steps`. Returns the trainer (its state is final)."""
-    step_dir = prepare_run_dir(run_dir, recipe, resume)
+    """Run (or resume) training to `train.steps`. Returns the trainer (its state is final).
+
+    Under torchrun / accelerate launch (WORLD_SIZE > 1) every rank calls this with the same
+    arguments; rank 0 alone writes the run folder, metrics and checkpoints."""
+    dist.init_from_env()
+    step_dir = dist.on_main(lambda: prepare_run_dir(run_dir, recipe, resume))
+    if step_dir is not None:
+        check_world_size(step_dir)  # before the (possibly long) model load
     tr = build_trainer(project, recipe, run_dir)
     if step_dir is not None:
         restore(tr, step_dir)
-    tr.metrics = MetricsLog(run_dir, recipe.train.tensorboard, resume_step=tr.state.step if resume else None)
+    if dist.is_distributed():  # what DDP does at construction: start from rank 0's weights
+        comp = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
+        dist.broadcast_parameters(_student_params(tr.model) + comp)
+    tr.metrics = MetricsLog(run_dir, recipe.train.tensorboard, resume_step=tr.state.step if resume else None,
+                            write=dist.is_main())
     t = recipe.train
     try:
         while tr.state.step < t.steps:
@@ -494,6 +550,6 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
                 save(tr)
     finally:
         tr.metrics.close()
-        if tr.retriever is not None and recipe.bank.grow:
+        if tr.retriever is not None and recipe.bank.grow and dist.is_main():
             tr.retriever.save()
     return tr

@@ -30,10 +30,16 @@ def _clean(v: Any) -> Any:
 
 class MetricsLog:
     """Appends rows to runs/RUN/metrics.jsonl. On resume, rows after the resumed step are
-    dropped first so the file reads as one uninterrupted run."""
+    dropped first so the file reads as one uninterrupted run. `write=False` (torchrun ranks
+    other than 0) touches nothing."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, tensorboard: bool = False, resume_step: int | None = None,
+                 write: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.write = write
+        if not write:
+            self._tb = None
+            return
         if resume_step is not None and self.path.exists():
             kept = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= resume_step]
             self.path.write_text("".join(l + "\n" for l in kept))
@@ -47,6 +53,8 @@ class MetricsLog:
                 self._tb = None
 
     def log(self, row: dict[str, Any]) -> None:
+        if not self.write:
+            return
         row = {k: _clean(v) for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -1,0 +1,74 @@
+"""Shared helpers for training tests: a tiny LOPD-ready project (bank of noisy oracle rollouts of
+the orders world, its index, a cold-start composer) and the fast recipe overrides it uses."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import yaml
+
+FAST = {
+    "env": {"class": "lopd_cli.envs.orders:OrdersEnv", "kwargs": {"n_train": 40, "n_validation": 8, "n_test": 8}},
+    "rollout": {"max_new_tokens": 24, "max_turns": 2, "rollouts_per_step": 4, "batch_size": 4},
+    "composer": {"num_queries": 4, "depth": 1, "max_item_tokens": 96},
+    "coldstart": {"steps": 2, "batch_size": 4, "eval_every": 2, "val_fraction": 0.1},
+    "train": {"steps": 2, "save_every": 1, "micro_batch": 4, "group_size": 2, "lr": 1e-3, "composer_lr": 1e-3},
+}
+
+
+def deep_update(base: dict, new: dict) -> dict:
+    for k, v in new.items():
+        base[k] = deep_update(base.get(k, {}), v) if isinstance(v, dict) and k != "kwargs" else v
+    return base
+
+
+def oracle_records(tasks, seed: int = 0):
+    """Rollout records of the noisy oracle on `tasks`, scored by the orders world."""
+    from lopd_cli.agent.types import ToolCall
+    from lopd_cli.envs.orders import OrdersEnv
+    from lopd_cli.envs.orders_policy import noisy_oracle_transcript
+
+    rng = random.Random(seed)
+    for t in tasks:
+        msgs = noisy_oracle_transcript(t, rng, 0.2)
+        env = OrdersEnv(n_train=40, n_validation=8, n_test=8)
+        env.reset(t)
+        for m in msgs:
+            for c in m.get("tool_calls") or []:
+                args = c["function"]["arguments"]
+                env.step(ToolCall(c["function"]["name"], json.loads(args) if isinstance(args, str) else args, c["id"]))
+        yield {"task_id": t.id, "instruction": t.instruction, "messages": msgs, "reward": env.reward(msgs),
+               "tools": t.tools, "meta": {"env": "orders", "generated_by": "lopd"}}
+
+
+def build_project(root: Path, overrides: dict | None = None):
+    """`lopd init` (orders, tiny) + recipes/toolcall.yaml with FAST (and `overrides`) + a bank of
+    24 oracle rollouts, its index and a cold-start composer in runs/coldstart."""
+    import copy
+
+    from lopd_cli.bank.index import build_index
+    from lopd_cli.bank.store import Bank
+    from lopd_cli.envs.orders import OrdersEnv
+    from lopd_cli.project import init_project, packaged_recipe
+    from lopd_cli.train.coldstart import run_coldstart
+
+    proj = init_project(root, example="orders", model="tiny")
+    data = deep_update(yaml.safe_load(packaged_recipe("orders-tiny").read_text()), copy.deepcopy(FAST))
+    if overrides:
+        data = deep_update(data, overrides)
+    (proj.recipes_dir / "toolcall.yaml").write_text(yaml.safe_dump(data))
+    recipe = proj.load_recipe("toolcall")
+    tasks = OrdersEnv(n_train=40, n_validation=8, n_test=8).tasks("train")[:24]
+    with Bank(proj.bank_path(recipe), recipe.bank.min_reward) as bank:
+        bank.add_records(list(oracle_records(tasks)), source="oracle")
+    build_index(proj, recipe, progress=False)
+    run_coldstart(proj, recipe, proj.runs_dir / "coldstart", show_progress=False)
+    return proj
+
+
+def numeric(row: dict) -> dict:
+    """A metrics row without timing, throughput and memory readings (they vary run to run)."""
+    skip = ("sec_", "tokens_per_s", "peak_memory")
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not k.startswith(skip) and not any(s in k for s in skip)}
