@@ -69,7 +69,7 @@ def test_tools_enforce_the_rules_and_report_errors():
     if shipped:
         out = json.loads(env.step(ToolCall("cancel_order", {"order_id": shipped[0]})))
         assert "cannot be cancelled" in out["error"]
-    assert "no order" in json.loads(env.step(ToolCall("get_order", {"order_id": 1})))["error"]
+    assert "no order" in json.loads(env.step(ToolCall("get_order", {"order_id": 0})))["error"]
     assert "missing required" in json.loads(env.step(ToolCall("update_address", {"customer_id": 1})))["error"]
     assert env.world.db == t.data["db"], "failed calls change nothing"
 

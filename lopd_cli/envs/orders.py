@@ -72,9 +72,9 @@ def _make_db(rng: random.Random) -> dict[str, Any]:
         customers[str(cid)] = {"name": name.capitalize(), "email": f"{name}{rng.randrange(10, 100)}@mail.com",
                                "address": f"{rng.randrange(1, 100)} {rng.choice(STREETS)}"}
         for _ in range(rng.randrange(1, 4)):
-            oid = rng.randrange(10, 100)
+            oid = rng.randrange(1, 10)  # one token for small tokenizers; <= 9 orders per database
             while oid in used_ids:
-                oid = rng.randrange(10, 100)
+                oid = rng.randrange(1, 10)
             used_ids.add(oid)
             items = rng.sample(sorted(PRODUCTS), rng.randrange(1, 3))
             total = round(sum(PRODUCTS[i] for i in items), 2)

@@ -27,7 +27,7 @@ from lopd_cli.agent.types import Task, ToolCall
 from lopd_cli.envs.orders import OrdersEnv, oracle_plan
 
 POLICY_VERSION = 1  # bump when the recipe below changes, so cached policies are rebuilt
-DEFAULTS = dict(steps=240, batch_size=16, lr=3e-3, noise=0.45, warmup=20)
+DEFAULTS = dict(steps=300, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0)
 
 
 def noisy_oracle_transcript(task: Task, rng: random.Random, noise: float) -> list[dict]:
@@ -64,6 +64,16 @@ def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float) ->
     return out
 
 
+def number_token_ids(tokenizer) -> list[int]:
+    """Ids of tokens that are digits (optionally after a space marker): ids and amounts."""
+    out = []
+    for tok, i in tokenizer.get_vocab().items():
+        text = tok.lstrip("Ġ▁ ")
+        if text and text.replace(".", "").isdigit():
+            out.append(i)
+    return out
+
+
 def _common_prefix_len(seqs: list[list[int]]) -> int:
     n = min(len(s) for s in seqs)
     first = seqs[0]
@@ -93,10 +103,15 @@ def train_orders_base_policy(
     batch_size: int = DEFAULTS["batch_size"],
     lr: float = DEFAULTS["lr"],
     noise: float = DEFAULTS["noise"],
+    number_weight: float = DEFAULTS["number_weight"],
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Path:
     """Train the base policy by imitation of the noisy oracle on the orders train split and save
-    it (model + tokenizer) to `out_dir`. `progress(step, steps, loss)` after each step."""
+    it (model + tokenizer) to `out_dir`. `progress(step, steps, loss)` after each step.
+
+    Number tokens the policy writes (ids, amounts) weigh `number_weight` times more in the loss:
+    they are few among the format tokens, and a tiny model otherwise learns to copy them from
+    the context only after many more steps."""
     import torch
 
     from lopd_cli.models.backbone import load_backbone
@@ -115,6 +130,8 @@ def train_orders_base_policy(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / DEFAULTS["warmup"]) * max(0.05, 1 - s / max(1, steps)))
     pad = tokenizer.pad_token_id
+    is_number = torch.zeros(len(tokenizer), dtype=torch.float32)
+    is_number[number_token_ids(tokenizer)] = 1.0
     order: list[int] = []
     for step in range(steps):
         if len(order) < batch_size:
@@ -132,7 +149,7 @@ def train_orders_base_policy(
         logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
         # Suffix position j predicts suffix token j + 1 (right padding never feeds the loss).
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, x[:, 1:, None]).squeeze(-1)
-        target = m[:, 1:]
+        target = m[:, 1:].float() * (1.0 + (number_weight - 1.0) * is_number[x[:, 1:]])
         loss = -(logp * target).sum() / target.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -148,7 +165,8 @@ def train_orders_base_policy(
     tokenizer.save_pretrained(out_dir)
     (out_dir / "lopd_model.json").write_text(json.dumps(
         {"name": "orders-base-tiny", "backbone": backbone, "seed": seed, "steps": steps, "lr": lr,
-         "noise": noise, "batch_size": batch_size, "version": POLICY_VERSION}))
+         "noise": noise, "batch_size": batch_size, "number_weight": number_weight,
+         "version": POLICY_VERSION}))
     return out_dir
 
 
