@@ -25,6 +25,7 @@ app = typer.Typer(
 
 # Each module defines register(app). Order = order in `lopd --help`.
 COMMAND_MODULES = [
+    "lopd_cli.cli.demo_cmds",
     "lopd_cli.cli.setup_cmds",
     "lopd_cli.cli.rollout_cmds",
     "lopd_cli.cli.bank_cmds",

@@ -1,0 +1,167 @@
+"""`lopd demo`: the whole pipeline, end to end, in a fresh project on the embedded default.
+
+    init (tiny orders base policy) → base eval on the test split → student rollouts into the
+    bank → index → cold start → LOPD training → eval of the trained student → export (merged
+    LoRA) → report PNG → a before/after table.
+
+Every stage is the same library call the CLI commands make; the demo only chains them in one
+process (one backbone load per stage, as the commands would) and times them. What it
+simplifies: sizes come from the project's `toolcall.yaml` (the orders-tiny recipe) plus the
+few overrides in `DEMO_OVERRIDES`, chosen so the demo ends in minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from lopd_cli.errors import LopdError
+
+# Sized for a laptop: the recipe's own values except these.
+DEMO_OVERRIDES = ["eval.n=64"]
+BANK_ROLLOUTS = 128
+DEMO_MARKER = ".lopd-demo"
+
+
+@dataclass
+class Stage:
+    name: str
+    seconds: float
+    detail: str
+
+
+@dataclass
+class DemoResult:
+    project: Path
+    stages: list[Stage] = field(default_factory=list)
+    before: object = None  # evaluate.ModelEval
+    after: object = None
+    run_dir: Path | None = None
+    export_dir: Path | None = None
+    report_png: Path | None = None
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+
+def _stage(result: DemoResult, name: str, say: Callable[[str], None]):
+    class _Timer:
+        def __enter__(self):
+            say(f"[{len(result.stages) + 1}] {name} …")
+            self.t0 = time.perf_counter()
+            self.detail = ""
+            return self
+
+        def __exit__(self, exc_type, exc, tb):
+            if exc_type is None:
+                result.stages.append(Stage(name, time.perf_counter() - self.t0, self.detail))
+                say(f"    done in {result.stages[-1].seconds:.1f} s{': ' + self.detail if self.detail else ''}")
+            return False
+
+    return _Timer()
+
+
+def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[[str], None] = print,
+             overrides: list[str] | None = None, bank_rollouts: int = BANK_ROLLOUTS) -> DemoResult:
+    """Run every stage; raise LopdError naming the stage that failed."""
+    import torch
+
+    from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes, select_tasks
+    from lopd_cli.bank.index import build_index
+    from lopd_cli.bank.store import Bank
+    from lopd_cli.evaluate import run_eval
+    from lopd_cli.export import export_merged
+    from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.report import write_report
+    from lopd_cli.scaffold import create_project
+    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.train.coldstart import run_coldstart
+    from lopd_cli.train.loop import train
+
+    out = Path(out)
+    if (out / "lopd.yaml").exists():
+        # Only a folder an earlier demo made is removed without asking.
+        if not (force or (out / DEMO_MARKER).exists()):
+            raise LopdError(f"{out} already holds a lopd project that the demo did not make (use --force or another --out)")
+        shutil.rmtree(out)
+    result = DemoResult(project=out.resolve())
+    sets = DEMO_OVERRIDES + list(overrides or [])
+
+    with _stage(result, f"init project ({model})", say) as st:
+        project = create_project(out, example="orders", model=model)
+        (project.root / DEMO_MARKER).write_text("made by `lopd demo`; the next demo run replaces this folder\n")
+        recipe = project.load_recipe("toolcall", sets)
+        search = [recipe.base_dir, project.root]
+        st.detail = f"{project.root}, backbone {recipe.model.backbone}"
+
+    with _stage(result, "evaluate the base model (test split)", say) as st:
+        base, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device, search)
+        result.before, _ = run_eval(recipe, base, tok, "base", success_threshold=recipe.eval.success_threshold)
+        st.detail = f"success {result.before.success.estimate:.1%}, reward {result.before.reward.estimate:.3f}"
+
+    with _stage(result, f"{bank_rollouts} student rollouts into the bank", say) as st:
+        env_factory = make_env_factory(recipe)
+        tasks = select_tasks(env_factory, "train", bank_rollouts)
+        with torch.no_grad():
+            eps = run_episodes(base, tok, env_factory, tasks, recipe.rollout, seed=recipe.train.seed,
+                               reward_fn=load_reward(recipe),
+                               meta={"model": recipe.model.backbone, "split": "train", "generated_by": "lopd"})
+        del base
+        with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
+            res = bank.add_records([e.to_record() for e in eps], source="demo")
+        st.detail = f"{res.added} added, {res.successes} successful"
+        if res.successes < recipe.bank.n_retrieve + 1:
+            raise LopdError(f"only {res.successes} successful rollouts: too few to retrieve from")
+
+    with _stage(result, "index the bank", say) as st:
+        rep = build_index(project, recipe, progress=False)
+        st.detail = f"{rep.total} successful rollouts indexed"
+
+    with _stage(result, "cold start the composer", say) as st:
+        cs = run_coldstart(project, recipe, project.runs_dir / "coldstart", show_progress=False)
+        st.detail = f"held-out teacher NLL {cs['val_nll_before']:.3f} → {cs['val_nll_after']:.3f}" if cs["val_nll_after"] else ""
+
+    with _stage(result, "LOPD training", say) as st:
+        result.run_dir = project.runs_dir / "lopd"
+        tr = train(project, recipe, result.run_dir,
+                   on_step=lambda row: say(f"    step {row['step']}: reward {row['reward']:.3f} "
+                                           f"success {row['success']:.2f} β {row.get('beta', 0):.3f}"))
+        st.detail = f"{tr.state.step} steps, {tr.state.rollouts_total} rollouts in total"
+
+    with _stage(result, "evaluate the trained student (test split)", say) as st:
+        info = read_checkpoint(resolve_checkpoint(result.run_dir))
+        student, stok = load_student(info, search_dirs=search)
+        result.after, _ = run_eval(recipe, student, stok, "LOPD student", success_threshold=recipe.eval.success_threshold)
+        del student
+        st.detail = f"success {result.after.success.estimate:.1%}, reward {result.after.reward.estimate:.3f}"
+
+    with _stage(result, "export (merge LoRA)", say) as st:
+        result.export_dir = project.models_dir / "student"
+        ex = export_merged(info, result.export_dir, search_dirs=search, force=True)
+        st.detail = f"{result.export_dir} (max |Δlogit| {ex.max_abs_logit_diff:.2g})"
+
+    with _stage(result, "report", say) as st:
+        result.report_png = project.root / "report.png"
+        write_report([result.run_dir], result.report_png)
+        st.detail = str(result.report_png)
+
+    (project.root / "demo.json").write_text(json.dumps(summary(result), indent=2))
+    return result
+
+
+def summary(result: DemoResult) -> dict:
+    return {
+        "project": str(result.project),
+        "seconds": result.seconds,
+        "stages": [s.__dict__ for s in result.stages],
+        "before": result.before.to_dict() if result.before else None,
+        "after": result.after.to_dict() if result.after else None,
+        "run_dir": str(result.run_dir) if result.run_dir else None,
+        "export_dir": str(result.export_dir) if result.export_dir else None,
+        "report_png": str(result.report_png) if result.report_png else None,
+    }
