@@ -158,3 +158,31 @@ def test_full_student_is_refused(tmp_path):
     model = ad.attach_adapters(model, recipe)
     with pytest.raises(LopdError, match="model.student"):
         make_backend("vllm", model, tok)
+
+
+def test_trainer_steps_roll_out_the_current_student(student, tmp_path):
+    """`lopd train` with `rollout.backend: vllm`: a whole step runs, and the trainer's rollouts
+    always come from the student as it is now (the runner snapshots the adapter per call)."""
+    from lopd_cli.project import init_project
+    from lopd_cli.train.loop import build_trainer, rollouts, train_step
+
+    project = init_project(tmp_path / "p", example="orders", model="tiny")
+    recipe = recipe_from_dict({
+        "model": {"backbone": "tiny", "lora": {"r": 8}},
+        "env": {"class": "lopd_cli.envs.orders:OrdersEnv", "kwargs": {"n_train": 8, "n_validation": 2, "n_test": 2}},
+        "rollout": {"backend": "vllm", "max_new_tokens": 8, "max_turns": 1, "rollouts_per_step": 4, "batch_size": 4},
+        "train": {"algo": "grpo", "group_size": 2, "micro_batch": 4, "steps": 1},
+    })
+    tr = build_trainer(project, recipe, tmp_path / "run", show_progress=False)
+    row = train_step(tr)
+    assert row["step"] == 1 and row["gen_tokens_per_s"] > 0
+    seen = []
+    for seed in (1, 2):
+        set_lora_b(tr.model, seed)
+        eps = rollouts(tr, tr.train_tasks[:2], step=2)
+        for e in eps:
+            fresh = fresh_logprobs(tr.model, e.input_ids, recipe.rollout.temperature)
+            mask = torch.tensor(e.action_mask[1:], dtype=torch.bool)
+            assert (fresh[mask] - torch.tensor(e.logprobs[1:])[mask]).abs().max().item() < LOGPROB_TOL
+        seen.append([e.logprobs for e in eps])
+    assert seen[0] != seen[1]
