@@ -6,6 +6,7 @@
 
 Runs the same runner as `lopd rollout` (recipe's rollout section, temperature 0), prints one line
 per category (success = reward 1.0, mean reward) and the wall time; `--out` writes the rollouts.
+`--max-minutes` stops starting new batches after that long (the figures say how many ran).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=None, help="bfcl: n tasks per category")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop starting new batches after this")
     args = ap.parse_args()
     setup_torch()
     overrides = list(args.set)
@@ -37,9 +39,26 @@ def main() -> None:
     recipe = load_recipe(args.recipe, overrides)
     factory = make_env_factory(recipe)
     tasks = select_tasks(factory, args.split, args.n)
+    # Round-robin over categories, so a run cut off by --max-minutes still covers each of them.
+    groups: dict[str, list] = collections.defaultdict(list)
+    for t in tasks:
+        groups[t.data.get("category", "all")].append(t)
+    tasks = [g[i] for i in range(max(len(g) for g in groups.values())) for g in groups.values() if i < len(g)]
     model, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device)
     t0 = time.time()
-    episodes = run_episodes(model, tok, factory, tasks, recipe.rollout, seed=0, temperature=0.0)
+    episodes = []
+    out = open(args.out, "w") if args.out else None
+    step = recipe.rollout.batch_size
+    for lo in range(0, len(tasks), step):  # chunk by chunk, so a cut-off run still reports
+        if args.max_minutes and time.time() - t0 > 60 * args.max_minutes:
+            break
+        chunk = run_episodes(model, tok, factory, tasks[lo: lo + step], recipe.rollout, seed=0, temperature=0.0)
+        episodes += chunk
+        for ep in chunk:
+            if out:
+                out.write(json.dumps(ep.to_record()) + "\n")
+                out.flush()
+        print(f"  {len(episodes)}/{len(tasks)} done, {time.time() - t0:.0f}s", flush=True)
     wall = time.time() - t0
     by_cat: dict[str, list[float]] = collections.defaultdict(list)
     for ep in episodes:
@@ -49,10 +68,8 @@ def main() -> None:
     for cat, rs in by_cat.items():
         ok = sum(1 for r in rs if r >= 1.0)
         print(f"  {cat:24s} n={len(rs):4d} success={ok / len(rs):.3f} ({ok}/{len(rs)}) mean_reward={sum(rs) / len(rs):.3f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            for ep in episodes:
-                f.write(json.dumps(ep.to_record()) + "\n")
+    if out:
+        out.close()
 
 
 if __name__ == "__main__":
