@@ -163,7 +163,17 @@ def _after_generation(live: _Live, gen, tokenizer, stop_ids: list[int], cfg: Rol
     assistant = _assistant_message(text, visible, calls)
     ep.messages.append(assistant)
     if not calls:
-        live.done, live.stop = True, "answer"
+        # A final answer ends the episode, unless a multi-turn env has a next user turn.
+        try:
+            nxt = _next_user_message(live.env) if live.turns < cfg.max_turns else None
+        except Exception as e:  # noqa: BLE001
+            _fail(live, "env.next_user_message", e)
+            return
+        if nxt is None:
+            live.done, live.stop = True, "answer"
+            return
+        ep.messages.append(nxt)
+        _append_observation(live, [nxt], gen.stopped, tokenizer, stop_ids, cfg)
         return
     results = _run_calls(live, calls, cfg.tool_timeout_s)
     ep.messages += results
@@ -177,9 +187,23 @@ def _after_generation(live: _Live, gen, tokenizer, stop_ids: list[int], cfg: Rol
     if ended or live.turns >= cfg.max_turns:
         live.done, live.stop = True, "env_done" if ended else "max_turns"
         return
-    history = ep.messages[: len(ep.messages) - len(results)]
-    obs = observation_ids(tokenizer, history, results, ep.task.tools)
-    if not gen.stopped:
+    _append_observation(live, results, gen.stopped, tokenizer, stop_ids, cfg)
+
+
+def _next_user_message(env) -> dict | None:
+    """Optional hook of multi-turn environments (e.g. BFCL multi-turn): the next user message
+    after the model answered without a tool call, or None when the conversation is over."""
+    fn = getattr(env, "next_user_message", None)
+    return fn() if callable(fn) else None
+
+
+def _append_observation(live: _Live, new_messages: list[dict], stopped: bool, tokenizer, stop_ids: list[int],
+                        cfg: RolloutSection) -> None:
+    """Tokens of tool results or a new user turn (mask 0), up to the next generation prompt."""
+    ep = live.episode
+    history = ep.messages[: len(ep.messages) - len(new_messages)]
+    obs = observation_ids(tokenizer, history, new_messages, ep.task.tools)
+    if not stopped:
         obs = [stop_ids[0]] + obs
     ep.input_ids += obs
     ep.action_mask += [0] * len(obs)
