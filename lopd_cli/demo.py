@@ -1,8 +1,13 @@
 """`lopd demo`: the whole pipeline, end to end, in a fresh project on the embedded default.
 
-    init (tiny orders base policy) → base eval on the test split → student rollouts into the
-    bank → index → cold start → LOPD training → eval of the trained student → export (merged
-    LoRA) → report PNG → a before/after table.
+    init (tiny orders base policy) → base eval on the test split → your agent's logs and
+    student rollouts into the bank → index → cold start → LOPD training → eval of the trained
+    student → export (merged LoRA) → report PNG → a before/after table.
+
+"Your agent's logs" are the JSONL a team brings to `lopd bank add-rollouts`; the demo makes
+them with a scripted agent (the orders oracle with mistakes, `orders_policy.scripted_agent_records`)
+and writes them to `logs/agent.jsonl` first. They are the user's, not rollouts lopd generated,
+so they do not count toward the training budget; the student's own rollouts do.
 
 Every stage is the same library call the CLI commands make; the demo only chains them in one
 process (one backbone load per stage, as the commands would) and times them. What it
@@ -23,7 +28,8 @@ from lopd_cli.errors import LopdError
 
 # Sized for a laptop: the recipe's own values except these.
 DEMO_OVERRIDES = ["eval.n=64"]
-BANK_ROLLOUTS = 128
+BANK_ROLLOUTS = 64
+AGENT_LOGS = 96
 DEMO_MARKER = ".lopd-demo"
 
 
@@ -104,6 +110,18 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
         result.before, _ = run_eval(recipe, base, tok, "base", success_threshold=recipe.eval.success_threshold)
         st.detail = f"success {result.before.success.estimate:.1%}, reward {result.before.reward.estimate:.3f}"
 
+    with _stage(result, f"{AGENT_LOGS} logged rollouts of your agent into the bank", say) as st:
+        from lopd_cli.envs.orders_policy import scripted_agent_records
+
+        logs = project.root / "logs" / "agent.jsonl"
+        logs.parent.mkdir(exist_ok=True)
+        train_tasks = make_env_factory(recipe)().tasks("train")
+        records = scripted_agent_records(train_tasks[-AGENT_LOGS:], seed=recipe.train.seed)
+        logs.write_text("".join(json.dumps(r) + "\n" for r in records))
+        with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
+            res = bank.add_file(logs)
+        st.detail = f"{logs.relative_to(project.root)}: {res.added} added, {res.successes} successful"
+
     with _stage(result, f"{bank_rollouts} student rollouts into the bank", say) as st:
         env_factory = make_env_factory(recipe)
         tasks = select_tasks(env_factory, "train", bank_rollouts)
@@ -115,8 +133,6 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
         with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
             res = bank.add_records([e.to_record() for e in eps], source="demo")
         st.detail = f"{res.added} added, {res.successes} successful"
-        if res.successes < recipe.bank.n_retrieve + 1:
-            raise LopdError(f"only {res.successes} successful rollouts: too few to retrieve from")
 
     with _stage(result, "index the bank", say) as st:
         rep = build_index(project, recipe, progress=False)

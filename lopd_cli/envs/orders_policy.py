@@ -199,3 +199,23 @@ def install_orders_base_policy(dest: Path, seed: int = 0,
         shutil.rmtree(dest)
     shutil.copytree(src, dest)
     return dest
+
+
+def scripted_agent_records(tasks: list[Task], seed: int = 0, noise: float = 0.3) -> list[dict]:
+    """Rollout records of a scripted agent (the oracle with mistakes at rate `noise`), scored
+    by the orders world: stand-ins for the logs a team's existing agent has produced, in the
+    JSONL format `lopd bank add-rollouts` reads."""
+    rng = random.Random(seed)
+    records = []
+    for task in tasks:
+        messages = noisy_oracle_transcript(task, rng, noise)
+        env = OrdersEnv()
+        env.reset(task)
+        for m in messages:
+            for c in m.get("tool_calls") or []:
+                args = c["function"]["arguments"]
+                env.step(ToolCall(c["function"]["name"], json.loads(args) if isinstance(args, str) else args, c["id"]))
+        records.append({"task_id": task.id, "instruction": task.instruction, "messages": messages,
+                        "reward": env.reward(messages), "tools": task.tools,
+                        "meta": {"env": "orders", "agent": "scripted", "noise": noise, "seed": seed}})
+    return records
