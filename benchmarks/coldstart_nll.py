@@ -88,7 +88,7 @@ def main() -> None:
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
 
-    model, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, "cpu")
+    model, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, "cpu", [recipe.base_dir, project.root])
     model = attach_adapters(model, recipe)
     fresh = Composer(model, tok, recipe.composer, recipe.bank.obs_char_budget)
     retriever = Retriever.open(project, recipe)
