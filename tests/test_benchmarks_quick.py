@@ -38,3 +38,46 @@ def test_step_overhead_quick(tmp_path):
     for phase in mem.values():
         assert phase["peak_rss_mib"] >= phase["setup_peak_rss_mib"] > 0
     assert "| fp32 | lopd |" in res.stdout
+
+
+def _benchmark_module(name: str):
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import importlib
+
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+@pytest.mark.slow
+def test_sample_efficiency_quick(tmp_path):
+    se = _benchmark_module("sample_efficiency")
+    out = tmp_path / "out"
+    data = se.main(["--quick", "--work", str(tmp_path / "work"), "--out", str(out)])
+
+    saved = json.loads((out / "sample_efficiency.json").read_text())
+    assert saved["partial"] is False and saved == json.loads(json.dumps(data))
+    assert (out / "sample_efficiency.png").stat().st_size > 0
+    assert (out / "sample_efficiency_report.png").stat().st_size > 0
+    B, bank, R = saved["budget"], saved["bank_rollouts"], saved["rollouts_per_step"]
+    assert set(saved["methods"]) == set(se.METHODS)
+    for run in saved["runs"]:
+        prior = bank if run["method"] in se.USES_BANK else 0
+        curve = run["curve"]
+        # every rollout counted: the bank methods' curves start after bank filling, and the
+        # trainer's own counter ends at prior + steps × R, never past B
+        assert curve[0]["rollouts"] == prior
+        assert curve[-1]["rollouts"] == prior + run["steps"] * R <= B
+        assert all(0.0 <= p["success"] <= 1.0 for p in curve)
+    for m in saved["methods"].values():
+        assert 0.0 <= m["final_success_mean"] <= 1.0 and m["seeds"] == [0]
+    frac = saved["lopd_fraction_of_budget_to_grpo_final"]
+    assert frac["seeds"] == 1
+    assert frac["per_seed"][0] is None or 0.0 <= frac["per_seed"][0] <= 1.0
+
+
+def test_sample_efficiency_crossing_budget_interpolates():
+    se = _benchmark_module("sample_efficiency")
+    curve = [(64, 0.2), (128, 0.4), (192, 0.6)]
+    assert se.crossing_budget(curve, 0.5) == pytest.approx(160)
+    assert se.crossing_budget(curve, 0.1) == 64
+    assert se.crossing_budget(curve, 0.7) is None

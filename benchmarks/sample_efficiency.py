@@ -1,0 +1,382 @@
+"""Sample efficiency on `orders` with the tiny base policy: LOPD vs GRPO vs OPSD (+ ablations).
+
+Every method gets the same total rollout budget B, and every rollout counts:
+
+    LOPD, OPSD, ablations: B = bank filling (N_bank student rollouts of the base policy, which
+                           also feed the cold start) + training rollouts
+    GRPO:                  B = training rollouts
+
+Per seed s (the training seed `train.seed` and the bank-filling sampling seed): one project
+(copy of a template holding the tiny orders base policy, the same for every seed), a bank of
+N_bank rollouts on N_bank training tasks drawn with seed s, its index and one cold-started
+composer (shared by `lopd`, `lopd_margin0` and `lopd_frozen`, so they differ only in what the
+issue ablates). Each method trains with checkpoints at a few budget points; every checkpoint
+is evaluated afterwards on the TEST split (greedy, `eval.n` tasks), so the success-vs-rollouts
+curve is on test while nothing is chosen by looking at it. Hyper-parameters come from the
+recipe plus `--set` overrides (tune those on the validation split only, with `--split validation`).
+
+Outputs (incremental: written after every evaluated checkpoint, so a partial run still yields
+figures): `<out>/sample_efficiency.json`, `<out>/sample_efficiency.png` (test success vs
+rollouts, mean ± 95 % t-interval over seeds) and the `lopd report` figure of the training
+metrics for all runs (`<out>/sample_efficiency_report.png`).
+
+    .venv/bin/python benchmarks/sample_efficiency.py            # full study
+    .venv/bin/python benchmarks/sample_efficiency.py --quick    # minutes: 1 seed, tiny budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# method name -> recipe overrides (on top of the shared ones)
+METHODS: dict[str, list[str]] = {
+    "lopd": ["train.algo=lopd"],
+    "grpo": ["train.algo=grpo"],
+    "opsd": ["train.algo=opsd"],
+    "lopd_margin0": ["train.algo=lopd", "train.margin_m=0"],
+    "lopd_frozen": ["train.algo=lopd", "train.freeze_composer=true"],
+}
+USES_BANK = {"lopd", "opsd", "lopd_margin0", "lopd_frozen"}
+USES_COMPOSER = {"lopd", "lopd_margin0", "lopd_frozen"}
+
+
+def t_interval(values: list[float]) -> tuple[float | None, float | None]:
+    """(mean, 95 % half-width) over seeds; half-width None for one seed."""
+    from lopd_cli.evaluate import mean_interval
+
+    if not values:
+        return None, None
+    iv = mean_interval(values)
+    return iv.estimate, iv.half_width
+
+
+def crossing_budget(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Smallest rollout count at which a piecewise-linear success curve reaches `target`."""
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if y0 >= target:
+            return x0
+        if y1 >= target:
+            return x0 + (x1 - x0) * (target - y0) / (y1 - y0)
+    if curve and curve[-1][1] >= target:
+        return curve[-1][0]
+    return None
+
+
+def make_template(work: Path, say, base_policy: Path | None = None) -> Path:
+    """The orders/tiny project every seed copies. `base_policy`: a tiny orders policy folder to
+    use instead of the cached `lopd init` build (which trains one on first use)."""
+    from lopd_cli.scaffold import BASE_POLICY_BACKBONE, BASE_POLICY_DIR, _family_recipe, create_project
+    from lopd_cli.project import write_recipe_for_model
+
+    tpl = work / "template"
+    if tpl.exists():
+        shutil.rmtree(tpl)
+    create_project(tpl, example="orders", model="tiny", base_policy=base_policy is None)
+    if base_policy is not None:
+        shutil.copytree(base_policy, tpl / BASE_POLICY_DIR)
+        write_recipe_for_model(_family_recipe("orders", "tiny"), tpl / "recipes" / "toolcall.yaml", BASE_POLICY_BACKBONE)
+    say(f"template project {tpl} (base policy {base_policy or 'lopd init build'})")
+    return tpl
+
+
+def evaluate_model(recipe, model, tok, label: str, split: str, n: int | None) -> dict[str, Any]:
+    from lopd_cli.evaluate import run_eval
+
+    res, _ = run_eval(recipe, model, tok, label, split=split, n=n, success_threshold=recipe.eval.success_threshold)
+    return {"success": res.success.estimate, "n": res.success.n,
+            "reward": res.reward.estimate}
+
+
+def fill_bank(project, recipe, n_bank: int, seed: int) -> dict[str, Any]:
+    """N_bank base-policy rollouts on training tasks drawn with `seed`, into the bank, indexed."""
+    import torch
+
+    from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes, select_tasks
+    from lopd_cli.bank.index import build_index
+    from lopd_cli.bank.store import Bank
+    from lopd_cli.models.backbone import load_backbone
+
+    env_factory = make_env_factory(recipe)
+    all_tasks = select_tasks(env_factory, "train", None)
+    rng = random.Random(seed)
+    tasks = [all_tasks[i] for i in rng.sample(range(len(all_tasks)), min(n_bank, len(all_tasks)))]
+    tasks += [all_tasks[rng.randrange(len(all_tasks))] for _ in range(n_bank - len(tasks))]
+    base, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device,
+                              [recipe.base_dir, project.root])
+    with torch.no_grad():
+        eps = run_episodes(base, tok, env_factory, tasks, recipe.rollout, seed=seed, reward_fn=load_reward(recipe),
+                           meta={"model": recipe.model.backbone, "split": "train", "generated_by": "lopd"})
+    with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
+        res = bank.add_records([e.to_record() for e in eps], source="sample_efficiency")
+    build_index(project, recipe, progress=False)
+    return {"added": res.added, "successes": res.successes}
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+
+
+class Study:
+    def __init__(self, args, say):
+        self.args, self.say = args, say
+        self.work = Path(args.work)
+        self.out = Path(args.out)
+        self.json_path = self.out / "sample_efficiency.json"
+        self.started = time.time()
+        self.seed_projects: dict[int, tuple[Any, Path | None, bool]] = {}
+        self.data: dict[str, Any] = {
+            "partial": True, "budget": args.budget, "bank_rollouts": args.bank,
+            "rollouts_per_step": args.rollouts_per_step, "eval_split": args.split, "eval_n": args.eval_n,
+            "checkpoints_per_run": args.points, "base_policy": args.base_policy, "overrides": args.set, "methods": {}, "runs": [],
+            "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        }
+
+    # ------------------------------------------------------------------ recipe / steps
+    def recipe(self, project, method: str, seed: int, extra: list[str] = ()):
+        a = self.args
+        sets = [f"rollout.rollouts_per_step={a.rollouts_per_step}", f"rollout.batch_size={a.rollouts_per_step}",
+                f"train.seed={seed}", f"coldstart.seed={seed}", f"eval.split={a.split}", f"eval.n={a.eval_n}",
+                f"coldstart.steps={a.coldstart_steps}"] + METHODS.get(method, []) + list(a.set) + list(extra)
+        return project.load_recipe("toolcall", sets)
+
+    def steps_for(self, method: str) -> int:
+        prior = self.args.bank if method in USES_BANK else 0
+        return max(1, (self.args.budget - prior) // self.args.rollouts_per_step)
+
+    # ------------------------------------------------------------------ stages
+    def run(self) -> dict[str, Any]:
+        from lopd_cli.runtime import setup_torch
+
+        setup_torch()
+        a = self.args
+        self.out.mkdir(parents=True, exist_ok=True)
+        tpl = make_template(self.work, self.say, Path(a.base_policy) if a.base_policy else None)
+        from lopd_cli.project import open_project
+
+        tproj = open_project(tpl)
+        rec = self.recipe(tproj, "lopd", 0)
+        from lopd_cli.models.backbone import load_backbone
+
+        t0 = time.perf_counter()
+        base, tok = load_backbone(rec.model.backbone, rec.model.dtype, rec.model.device, [rec.base_dir, tproj.root])
+        self.data["base"] = evaluate_model(rec, base, tok, "base", a.split, a.eval_n)
+        del base
+        self.say(f"base policy on {a.split}: success {self.data['base']['success']:.3f} ({time.perf_counter() - t0:.0f} s)")
+        self.save()
+        # The headline pair first over all seeds, then the other methods: a partial run still
+        # answers the main question.
+        first = [m for m in a.methods if m in ("lopd", "grpo")]
+        rest = [m for m in a.methods if m not in first]
+        for group in (first, rest):
+            for seed in a.seeds:
+                for method in group:
+                    project, composer_dir, bank_ok = self.prepare_seed(tpl, seed)
+                    if method in USES_BANK and not bank_ok:
+                        self.data.setdefault("skipped", []).append({"method": method, "seed": seed,
+                                                                    "why": "too few successful bank rollouts"})
+                        continue
+                    self.run_method(project, method, seed, composer_dir)
+        self.data["partial"] = False
+        self.finish()
+        return self.data
+
+    def prepare_seed(self, tpl: Path, seed: int) -> tuple[Any, Path | None, bool]:
+        """The seed's project: bank (N_bank base-policy rollouts), index, cold-started composer."""
+        from lopd_cli.project import open_project
+        from lopd_cli.train.coldstart import run_coldstart
+
+        if seed in self.seed_projects:
+            return self.seed_projects[seed]
+        a = self.args
+        pdir = self.work / f"seed{seed}"
+        if pdir.exists():
+            shutil.rmtree(pdir)
+        shutil.copytree(tpl, pdir)
+        project = open_project(pdir)
+        composer_dir = None
+        if any(m in USES_BANK for m in a.methods):
+            t0 = time.perf_counter()
+            rec = self.recipe(project, "lopd", seed)
+            filled = fill_bank(project, rec, a.bank, seed)
+            self.say(f"seed {seed}: bank {filled} ({time.perf_counter() - t0:.0f} s)")
+            self.data.setdefault("bank", {})[str(seed)] = filled
+            if filled["successes"] < rec.bank.n_retrieve + 1:
+                # Nothing to retrieve: the bank methods cannot run on this seed (recorded, not hidden).
+                self.say(f"seed {seed}: only {filled['successes']} successful bank rollouts; bank methods skipped")
+                self.seed_projects[seed] = (project, None, False)
+                return self.seed_projects[seed]
+            if any(m in USES_COMPOSER for m in a.methods):
+                t0 = time.perf_counter()
+                run_coldstart(project, rec, project.runs_dir / "coldstart", show_progress=False)
+                composer_dir = project.runs_dir / "coldstart" / "composer"
+                self.say(f"seed {seed}: cold start ({time.perf_counter() - t0:.0f} s)")
+        self.seed_projects[seed] = (project, composer_dir, True)
+        return self.seed_projects[seed]
+
+    def run_method(self, project, method: str, seed: int, composer_dir: Path | None) -> None:
+        from lopd_cli.student import load_student, read_checkpoint
+        from lopd_cli.train.loop import train
+
+        a = self.args
+        steps = self.steps_for(method)
+        every = max(1, math.ceil(steps / a.points))
+        extra = [f"train.steps={steps}", f"train.save_every={every}"]
+        if composer_dir is not None and method in USES_COMPOSER:
+            extra.append(f"train.composer_from={composer_dir}")
+        rec = self.recipe(project, method, seed, extra)
+        run_dir = project.runs_dir / method
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        t0 = time.perf_counter()
+        tr = train(project, rec, run_dir)
+        t_train = time.perf_counter() - t0
+        prior = a.bank if method in USES_BANK else 0
+        curve = [{"rollouts": prior, "step": 0, **self.data["base"]}]
+        t0 = time.perf_counter()
+        for ck in checkpoint_dirs(run_dir):
+            info = read_checkpoint(ck)
+            meta = json.loads((ck / "checkpoint.json").read_text())
+            model, tok = load_student(info, search_dirs=[rec.base_dir, project.root])
+            fig = evaluate_model(rec, model, tok, method, a.split, a.eval_n)
+            del model
+            curve.append({"rollouts": int(meta["rollouts_total"]), "step": info.step, **fig})
+        self.say(f"seed {seed} {method}: {steps} steps, {tr.state.rollouts_total} rollouts, train {t_train:.0f} s, "
+                 f"eval {time.perf_counter() - t0:.0f} s; {a.split} success "
+                 + " ".join(f"{p['rollouts']}:{p['success']:.3f}" for p in curve))
+        self.data["runs"].append({"method": method, "seed": seed, "steps": steps, "run_dir": str(run_dir),
+                                  "train_seconds": t_train, "curve": curve})
+        self.finish()
+
+    # ------------------------------------------------------------------ aggregation
+    def aggregate(self) -> None:
+        by_method: dict[str, list[dict]] = {}
+        for r in self.data["runs"]:
+            by_method.setdefault(r["method"], []).append(r)
+        methods = {}
+        for m, runs in by_method.items():
+            finals = [r["curve"][-1]["success"] for r in runs]
+            mean, hw = t_interval(finals)
+            methods[m] = {"final_success_mean": mean, "final_success_ci95": hw, "seeds": [r["seed"] for r in runs],
+                          "final_success_per_seed": finals,
+                          "final_rollouts": [r["curve"][-1]["rollouts"] for r in runs]}
+        self.data["methods"] = methods
+        self.data["lopd_fraction_of_budget_to_grpo_final"] = None
+        if "lopd" in methods and "grpo" in methods:
+            target = methods["grpo"]["final_success_mean"]
+            fracs, reached = [], []
+            for r in by_method["lopd"]:
+                x = crossing_budget([(p["rollouts"], p["success"]) for p in r["curve"]], target)
+                reached.append(x is not None)
+                fracs.append(x / self.args.budget if x is not None else None)
+            got = [f for f in fracs if f is not None]
+            mean, hw = t_interval(got)
+            self.data["lopd_fraction_of_budget_to_grpo_final"] = {
+                "target_grpo_final_success": target, "per_seed": fracs, "seeds_reaching": sum(reached),
+                "seeds": len(fracs), "mean_over_reaching_seeds": mean, "ci95": hw,
+                "min": min(got) if got else None, "max": max(got) if got else None,
+                "note": "per seed: first rollout count (linear between checkpoints) at which LOPD's test success "
+                        "reaches GRPO's mean final test success, divided by B; None = not reached within B",
+            }
+
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+
+        from lopd_cli.evaluate import mean_interval
+
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        by_method: dict[str, list[dict]] = {}
+        for r in self.data["runs"]:
+            by_method.setdefault(r["method"], []).append(r)
+        for m, runs in by_method.items():
+            xs = sorted({p["rollouts"] for r in runs for p in r["curve"]})
+            mean, lo, hi = [], [], []
+            for x in xs:
+                vals = [p["success"] for r in runs for p in r["curve"] if p["rollouts"] == x]
+                iv = mean_interval(vals)
+                hw = iv.half_width or 0.0
+                mean.append(iv.estimate)
+                lo.append(iv.estimate - hw)
+                hi.append(iv.estimate + hw)
+            line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{m} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+            ax.fill_between(xs, np.clip(lo, 0, 1), np.clip(hi, 0, 1), color=line.get_color(), alpha=0.15)
+        ax.axvline(self.args.bank, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("rollouts (bank filling included)")
+        ax.set_ylabel(f"{self.data['eval_split']} success (greedy, n={self.data['eval_n']})")
+        ax.set_title(f"orders, tiny base policy, B={self.args.budget}" + (" (PARTIAL)" if self.data["partial"] else ""))
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.out / "sample_efficiency.png", dpi=80)
+        plt.close(fig)
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = time.time() - self.started
+        tmp = self.json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2))
+        tmp.replace(self.json_path)
+
+    def finish(self) -> None:
+        self.aggregate()
+        self.save()
+        if self.data["runs"]:
+            self.plot()
+            if self.args.report:
+                from lopd_cli.report import write_report
+
+                write_report([Path(r["run_dir"]) for r in self.data["runs"]], self.out / "sample_efficiency_report.png")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 seed, tiny budget: minutes")
+    p.add_argument("--budget", type=int, default=512, help="total rollouts per method (B)")
+    p.add_argument("--bank", type=int, default=64, help="bank-filling rollouts (LOPD/OPSD/ablations)")
+    p.add_argument("--rollouts-per-step", type=int, default=16)
+    p.add_argument("--points", type=int, default=4, help="checkpoints (test evaluations) per run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--split", default="test", help="test for final figures; validation while tuning")
+    p.add_argument("--eval-n", type=int, default=64, help="tasks per checkpoint evaluation (spread over the split)")
+    p.add_argument("--base-policy", default=None, help="tiny orders policy folder (default: the cached `lopd init` one)")
+    p.add_argument("--coldstart-steps", type=int, default=60)
+    p.add_argument("--set", action="append", default=[], help="extra recipe override KEY=VALUE (repeatable)")
+    p.add_argument("--work", default="/tmp/lopd_sample_efficiency")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--no-report", dest="report", action="store_false", help="skip the `lopd report` figure")
+    a = p.parse_args(argv)
+    if a.quick:
+        # Exercises every stage in minutes; the figures mean nothing. bank.min_reward 0 keeps
+        # the bank non-empty whatever the base policy's success rate.
+        a.budget, a.bank, a.rollouts_per_step, a.points, a.eval_n = 24, 8, 4, 1, 4
+        a.seeds, a.coldstart_steps = a.seeds[:1], 2
+        a.set = ["rollout.max_new_tokens=32", "rollout.max_turns=3", "train.group_size=2",
+                 "bank.min_reward=0.0", "bank.n_retrieve=1"] + a.set
+    if a.bank >= a.budget:
+        p.error("--bank must be below --budget")
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    return Study(args, lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True)).run()
+
+
+if __name__ == "__main__":
+    main()
