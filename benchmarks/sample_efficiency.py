@@ -316,6 +316,8 @@ class Study:
                 hi.append(iv.estimate + hw)
             line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{m} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
             ax.fill_between(xs, np.clip(lo, 0, 1), np.clip(hi, 0, 1), color=line.get_color(), alpha=0.15)
+        top = max((p["success"] for r in self.data["runs"] for p in r["curve"]), default=0.0)
+        ax.set_ylim(0, min(1.0, max(0.25, top + 0.1)))  # from 0, so small differences look small
         ax.axvline(self.args.bank, color="grey", lw=0.8, ls=":")
         ax.set_xlabel("rollouts (bank filling included)")
         ax.set_ylabel(f"{self.data['eval_split']} success (greedy, n={self.data['eval_n']})")
