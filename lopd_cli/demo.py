@@ -27,7 +27,7 @@ from typing import Callable
 from lopd_cli.errors import LopdError
 
 # Sized for a laptop: the recipe's own values except these.
-DEMO_OVERRIDES = ["eval.n=64"]
+DEMO_OVERRIDES = ["eval.n=64", "coldstart.steps=40", "train.steps=12", "train.save_every=6"]
 BANK_ROLLOUTS = 64
 AGENT_LOGS = 96
 DEMO_MARKER = ".lopd-demo"
