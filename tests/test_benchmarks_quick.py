@@ -81,3 +81,19 @@ def test_sample_efficiency_crossing_budget_interpolates():
     assert se.crossing_budget(curve, 0.5) == pytest.approx(160)
     assert se.crossing_budget(curve, 0.1) == 64
     assert se.crossing_budget(curve, 0.7) is None
+
+
+@pytest.mark.slow
+def test_rollout_throughput_quick(tmp_path):
+    rt = _benchmark_module("rollout_throughput")
+    out = tmp_path / "rollout.json"
+    data = rt.main(["--quick", "--models", "tiny", "--backends", "hf", "--n", "4", "--max-new-tokens", "8",
+                    "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(data))
+    rows = {r["path"]: r for r in data["rows"]}
+    assert set(rows) == {"bare generate", "runner hf"}
+    bare, runner = rows["bare generate"], rows["runner hf"]
+    # one batch, same seed and sampling settings: the runner generates exactly the bare loop's tokens
+    assert 4 <= bare["tokens"] == runner["tokens"] <= 4 * 8
+    assert bare["ratio_to_bare"] == 1.0
+    assert runner["tok_s"] > 0 and runner["ratio_to_bare"] == pytest.approx(runner["tok_s"] / bare["tok_s"])
