@@ -9,7 +9,8 @@
 
 What it simplifies relative to the reference code: φ does not change between phases 2 and 4, so
 one teacher forward *with* gradient serves both the student's targets (detached) and the
-composer's loss; the composer's KL uses the student's log-probs from before its update.
+composer's loss; the composer's KL and Δ use the student's log-probs from the student pass (before
+its update, detached), so the student's lm_head runs once per micro-batch.
 Micro-batches accumulate gradients with weights that make the sums equal to the full-batch
 losses (sequence means weight by sequences, Δ by tokens, the anchor by tasks).
 """
@@ -110,9 +111,15 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
 
         # Phase 3: student, reverse KL against the detached teacher.
         t0 = time.perf_counter()
+        # One lm_head pass gives the student's top-M+tail log-probs for the KL and, for LOPD, the
+        # taken tokens' log-probs; both serve phase 4 detached (no second student head pass).
         with use_student(model), _autocast(setup.autocast, device):
             s_pred = student_hidden(model, sb)
-            kl = losses.chunked_reverse_kl(s_pred, head, t_lp, t_ids, sb.mask, chunk_size=setup.logit_chunk)
+            s_topm_g, s_tok_g = losses.chunked_logprobs(
+                s_pred, head, topm_ids=t_ids, token_ids=sb.targets if lopd else None, mask=sb.mask,
+                chunk_size=setup.logit_chunk,
+            )
+            kl = losses.topm_reverse_kl(s_topm_g, t_lp, sb.mask)
         (kl.loss * w_seq).backward()
         out.kl += float(kl.loss.detach()) * w_seq
         t_student += time.perf_counter() - t0
@@ -120,10 +127,7 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         # Phase 4: composer, through the same teacher graph.
         if lopd:
             t0 = time.perf_counter()
-            with torch.no_grad():
-                s_topm, s_tok = losses.chunked_logprobs(
-                    s_pred.detach(), head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk
-                )
+            s_topm, s_tok = s_topm_g.detach(), s_tok_g.detach()
             with torch.set_grad_enabled(grad_phi):
                 t_topm, t_tok = losses.chunked_logprobs(
                     t_pred, head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk
