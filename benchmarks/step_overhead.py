@@ -446,6 +446,7 @@ def main() -> None:
     results["load_average_end"] = load_average()
     results["wall_seconds"] = round(time.time() - t_start, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    this_run = results
     if args.merge and args.out.exists():
         old = json.loads(args.out.read_text())
         old["models"].update(results["models"])
@@ -453,9 +454,9 @@ def main() -> None:
                                                                     "wall_seconds")})
         results = old
     args.out.write_text(json.dumps(results, indent=2))
-    print(markdown(results))
-    print(f"\nwrote {args.out} in {results['wall_seconds']} s; load average {results['load_average_start']} → "
-          f"{results['load_average_end']}")
+    print(markdown(this_run))
+    print(f"\nwrote {args.out} in {this_run['wall_seconds']} s; load average {this_run['load_average_start']} → "
+          f"{this_run['load_average_end']}")
 
 
 if __name__ == "__main__":
