@@ -98,7 +98,7 @@ def test_coldstart_cli_end_to_end(tmp_path):
     assert len(cache) == 8 and all(t.shape == (4, 128) for t in cache.entries.values())
 
     # Retrieval never hands a target its own task; the saved composer reproduces c_φ0.
-    model, tok = load_backbone("tiny", device="cpu")
+    model, tok = load_backbone(recipe.model.backbone, device="cpu", search_dirs=[recipe.base_dir, project.root])
     model = attach_adapters(model, recipe)
     retriever = Retriever.open(project, recipe)
     try:
