@@ -407,16 +407,21 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> T
     """(r − mean_g) / (std_g + eps) per group of rollouts of the same task.
 
     rewards (N,), group_ids (N,) any integers. std_g is the unbiased sample std (as TRL's
-    GRPO); a group of one rollout gets advantage 0. Returns (N,) float32, no gradient.
+    GRPO); a group of one rollout, or of equal rewards, gets advantage exactly 0. Computed in
+    float64 (a float32 group mean of equal rewards is off by an ulp, which eps would turn into a
+    spurious advantage); returns (N,) float32, no gradient.
     """
-    r = rewards.detach().float()
+    r = rewards.detach().double()
     _, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     n = counts.to(r.dtype)
     mean = torch.zeros_like(n).index_add_(0, inv, r) / n
     centred = r - mean[inv]
     sq = torch.zeros_like(n).index_add_(0, inv, centred * centred)
     std = torch.where(n > 1, (sq / (n - 1).clamp_min(1.0)).sqrt(), torch.zeros_like(n))
-    return centred / (std[inv] + eps)
+    spread = torch.zeros_like(n).index_reduce_(0, inv, r, "amax", include_self=False) - torch.zeros_like(n).index_reduce_(
+        0, inv, r, "amin", include_self=False)
+    adv = torch.where((spread > 0)[inv], centred / (std[inv] + eps), torch.zeros_like(centred))
+    return adv.float()
 
 
 def grpo_loss(
