@@ -77,5 +77,7 @@ def test_project_found_upward(lopd, tmp_path):
     deep = tmp_path / "proj" / "runs" / "a"
     deep.mkdir(parents=True)
     r = lopd("recipe", "check", "toolcall", "--json", cwd=deep)
-    # The orders env may not be importable yet in a partial checkout; the recipe itself must be found.
-    assert "recipe 'toolcall' not found" not in r.err
+    assert r.code == 0, r
+    assert json.loads(r.out)["env"]["class"] == "lopd_cli.envs.orders:OrdersEnv"
+    r = lopd("recipe", "check", "nope", cwd=deep)
+    assert r.code == 1 and "recipe 'nope' not found" in r.err and "toolcall" in r.err
