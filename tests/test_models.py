@@ -68,3 +68,20 @@ def test_unknown_backbone_is_a_clear_error(tmp_path):
         load_backbone(str(tmp_path / "nope"))
     with pytest.raises(LopdError, match="neither an embedded model"):
         load_backbone("./not-a-model-dir")
+
+
+def test_build_once_leaves_nothing_behind_when_a_build_fails(tmp_path):
+    from lopd_cli.models.registry import build_once
+
+    def broken(d):
+        (d / "config.json").write_text("{}")
+        raise RuntimeError("killed mid-build")
+
+    with pytest.raises(RuntimeError):
+        build_once(tmp_path / "m", broken)
+    assert list(tmp_path.iterdir()) == [], "no half-written model and no temporary folder"
+    calls = []
+    out = build_once(tmp_path / "m", lambda d: (calls.append(d), (d / "config.json").write_text("{}")))
+    assert (out / "config.json").exists() and len(calls) == 1
+    build_once(tmp_path / "m", lambda d: calls.append(d))
+    assert len(calls) == 1, "a finished build is reused"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -172,23 +171,10 @@ def train_orders_base_policy(
 
 def cached_orders_base_policy(seed: int = 0, progress: Callable[[int, int, float], None] | None = None) -> Path:
     """The tiny orders base policy for `seed`, trained once and kept in the model cache."""
-    from lopd_cli.models.registry import cache_dir
+    from lopd_cli.models.registry import build_once, cache_dir
 
     out = cache_dir() / "models" / f"orders-base-tiny-s{seed}-v{POLICY_VERSION}"
-    if (out / "config.json").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".orders-base-", dir=out.parent))
-    try:
-        train_orders_base_policy(tmp, seed=seed, progress=progress)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_once(out, lambda tmp: train_orders_base_policy(tmp, seed=seed, progress=progress))
 
 
 def install_orders_base_policy(dest: Path, seed: int = 0,

@@ -94,10 +94,18 @@ def materialise_backbone(name: str) -> Path:
         return out
     if not entry.available():
         raise LopdError(f"embedded model '{name}' is not installed (see `lopd models`)")
+    return build_once(out, entry.build)
+
+
+def build_once(out: Path, build: Callable[[Path], object]) -> Path:
+    """Build a model directory into `out` unless it is there: in a temporary folder, renamed
+    at the end, so a crash or a concurrent build never leaves a half-written model behind."""
+    if (out / "config.json").exists():
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        entry.build(tmp)
+        build(tmp)
         try:
             tmp.rename(out)
         except OSError:
