@@ -23,25 +23,6 @@ import time
 from pathlib import Path
 
 
-def oracle_records(env, tasks) -> list[dict]:
-    """The scripted oracle's transcript of each task, as rollout records (reward from the env)."""
-    from lopd_cli.envs.orders import oracle_plan
-
-    out = []
-    for task in tasks:
-        messages = env.reset(task)
-        calls, answer = oracle_plan(task)
-        for call in calls:
-            messages.append({"role": "assistant", "content": "", "tool_calls": [
-                {"id": call.id, "type": "function",
-                 "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}]})
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": env.step(call)})
-        messages.append({"role": "assistant", "content": answer})
-        out.append({"task_id": task.id, "instruction": task.instruction, "messages": messages,
-                    "reward": env.reward(messages), "tools": task.tools, "meta": {"env": "orders", "policy": "oracle"}})
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
@@ -61,6 +42,7 @@ def main() -> None:
     from lopd_cli.bank.retrieve import Retriever
     from lopd_cli.bank.store import Bank
     from lopd_cli.envs.orders import OrdersEnv
+    from lopd_cli.envs.orders_policy import scripted_agent_records
     from lopd_cli.models.composer import Composer
     from lopd_cli.scaffold import create_project
     from lopd_cli.train.coldstart import make_examples, split_by_task, teacher_nll, run_coldstart
@@ -73,7 +55,7 @@ def main() -> None:
     recipe = project.load_recipe("toolcall", overrides)
 
     env = OrdersEnv(n_train=args.tasks)
-    records = oracle_records(env, env.tasks("train"))
+    records = scripted_agent_records(env.tasks("train"), noise=0.0)  # the oracle, no mistakes
     with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
         added = bank.add_records(records, source="oracle")
     build_index(project, recipe, progress=False)

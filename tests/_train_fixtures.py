@@ -3,8 +3,6 @@ the orders world, its index, a cold-start composer) and the fast recipe override
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 
 import yaml
@@ -25,22 +23,13 @@ def deep_update(base: dict, new: dict) -> dict:
 
 
 def oracle_records(tasks, seed: int = 0):
-    """Rollout records of the noisy oracle on `tasks`, scored by the orders world."""
-    from lopd_cli.agent.types import ToolCall
-    from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import noisy_oracle_transcript
+    """Rollout records of the noisy oracle on `tasks`, scored by the orders world, tagged as
+    lopd-generated so they count toward the training budget."""
+    from lopd_cli.envs.orders_policy import scripted_agent_records
 
-    rng = random.Random(seed)
-    for t in tasks:
-        msgs = noisy_oracle_transcript(t, rng, 0.2)
-        env = OrdersEnv(n_train=40, n_validation=8, n_test=8)
-        env.reset(t)
-        for m in msgs:
-            for c in m.get("tool_calls") or []:
-                args = c["function"]["arguments"]
-                env.step(ToolCall(c["function"]["name"], json.loads(args) if isinstance(args, str) else args, c["id"]))
-        yield {"task_id": t.id, "instruction": t.instruction, "messages": msgs, "reward": env.reward(msgs),
-               "tools": t.tools, "meta": {"env": "orders", "generated_by": "lopd"}}
+    for rec in scripted_agent_records(list(tasks), seed=seed, noise=0.2):
+        rec["meta"]["generated_by"] = "lopd"
+        yield rec
 
 
 def build_project(root: Path, overrides: dict | None = None):

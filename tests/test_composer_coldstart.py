@@ -52,14 +52,10 @@ def test_latent_cache_keys_and_roundtrip(tmp_path):
 
 
 def _oracle_records(n: int) -> list[dict]:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from coldstart_nll import oracle_records
     from lopd_cli.envs.orders import OrdersEnv
+    from lopd_cli.envs.orders_policy import scripted_agent_records
 
-    env = OrdersEnv(n_train=n)
-    return oracle_records(env, env.tasks("train"))
+    return scripted_agent_records(OrdersEnv(n_train=n).tasks("train"), noise=0.0)
 
 
 @pytest.mark.slow
