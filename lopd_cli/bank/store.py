@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -109,14 +110,26 @@ class Bank:
         # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
         self.conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
         self.db = sqlite_utils.Database(self.conn)
-        try:
-            self.conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-            self.db.enable_wal()
-            self.conn.execute("PRAGMA synchronous = NORMAL")
-            self._init_schema()
-        except sqlite3.DatabaseError as e:
-            self.conn.close()
-            raise LopdError(f"{self.path}: not a lopd bank ({e})") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+                if self.conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                    self.db.enable_wal()
+                self.conn.execute("PRAGMA synchronous = NORMAL")
+                self._init_schema()
+                break
+            except sqlite3.OperationalError as e:
+                # Switching a new file to WAL while another process creates it can answer
+                # "locked" without waiting for the busy handler: retry until the timeout.
+                if "locked" in str(e) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                self.conn.close()
+                raise LopdError(f"{self.path}: cannot open the bank ({e})") from None
+            except sqlite3.DatabaseError as e:
+                self.conn.close()
+                raise LopdError(f"{self.path}: not a lopd bank ({e})") from None
 
     def _init_schema(self) -> None:
         if "bank_info" in self.db.table_names():
