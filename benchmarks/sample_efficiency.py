@@ -22,6 +22,12 @@ metrics for all runs (`<out>/sample_efficiency_report.png`).
 
     .venv/bin/python benchmarks/sample_efficiency.py            # full study
     .venv/bin/python benchmarks/sample_efficiency.py --quick    # minutes: 1 seed, tiny budget
+
+On several cores, run one process per seed (each with its own `--work` and `--out`) and then
+aggregate their JSON files into one table, plot and report:
+
+    .venv/bin/python benchmarks/sample_efficiency.py --merge OUT_S0/sample_efficiency.json \
+        OUT_S1/sample_efficiency.json ... --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -375,7 +381,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def merge(paths: list[Path], out: Path, report: bool = True) -> dict[str, Any]:
+    """One study from several runs of this script (e.g. one process per seed). They must share
+    the design (budget, bank, rollouts per step, split, eval size); runs are concatenated."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    design = ("budget", "bank_rollouts", "rollouts_per_step", "eval_split", "eval_n")
+    for p, d in zip(paths[1:], parts[1:]):
+        for k in design:
+            if d.get(k) != parts[0].get(k):
+                raise SystemExit(f"{p}: {k} = {d.get(k)!r} differs from {paths[0]}'s {parts[0].get(k)!r}")
+    data = dict(parts[0])
+    data["runs"] = [r for d in parts for r in d["runs"]]
+    data["partial"] = any(d.get("partial", True) for d in parts)
+    data["bank"] = {k: v for d in parts for k, v in d.get("bank", {}).items()}
+    data["skipped"] = [x for d in parts for x in d.get("skipped", [])]
+    data["command"] = " && ".join(d["command"] for d in parts)
+    data["merged_from"] = [str(p) for p in paths]
+    data["elapsed_s"] = sum(d.get("elapsed_s", 0.0) for d in parts)
+    args = argparse.Namespace(out=str(out), work=str(out), budget=data["budget"], bank=data["bank_rollouts"],
+                              report=report)
+    study = Study.__new__(Study)
+    study.args, study.say, study.out, study.data = args, print, Path(out), data
+    study.json_path, study.started = study.out / "sample_efficiency.json", time.time() - data["elapsed_s"]
+    study.out.mkdir(parents=True, exist_ok=True)
+    study.finish()
+    return study.data
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--merge":
+        p = argparse.ArgumentParser(description="aggregate several sample_efficiency.json files")
+        p.add_argument("--merge", nargs="+", required=True, type=Path)
+        p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+        p.add_argument("--no-report", dest="report", action="store_false")
+        m = p.parse_args(argv)
+        return merge(m.merge, Path(m.out), m.report)
     args = parse_args(argv)
     return Study(args, lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True)).run()
 

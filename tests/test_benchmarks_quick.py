@@ -97,3 +97,45 @@ def test_rollout_throughput_quick(tmp_path):
     assert 4 <= bare["tokens"] == runner["tokens"] <= 4 * 8
     assert bare["ratio_to_bare"] == 1.0
     assert runner["tok_s"] > 0 and runner["ratio_to_bare"] == pytest.approx(runner["tok_s"] / bare["tok_s"])
+
+
+def _study_file(path: Path, seed: int, lopd_final: float, grpo_final: float, budget: int = 96) -> Path:
+    """A sample_efficiency.json as one process (one seed) of the study writes it."""
+    base = {"success": 0.1, "n": 8, "reward": 0.3}
+    runs = [
+        {"method": "lopd", "seed": seed, "steps": 2, "run_dir": str(path / "lopd"), "train_seconds": 1.0,
+         "curve": [{"rollouts": 32, "step": 0, **base}, {"rollouts": 96, "step": 2, "success": lopd_final, "n": 8}]},
+        {"method": "grpo", "seed": seed, "steps": 3, "run_dir": str(path / "grpo"), "train_seconds": 1.0,
+         "curve": [{"rollouts": 0, "step": 0, **base}, {"rollouts": 96, "step": 3, "success": grpo_final, "n": 8}]},
+    ]
+    data = {"partial": False, "budget": budget, "bank_rollouts": 32, "rollouts_per_step": 32, "eval_split": "test",
+            "eval_n": 8, "runs": runs, "bank": {str(seed): {"added": 32, "successes": 5}},
+            "command": f"sample_efficiency.py --seeds {seed}", "elapsed_s": 10.0}
+    path.mkdir(parents=True)
+    (path / "sample_efficiency.json").write_text(json.dumps(data))
+    return path / "sample_efficiency.json"
+
+
+def test_sample_efficiency_merges_per_seed_processes(tmp_path):
+    se = _benchmark_module("sample_efficiency")
+    a = _study_file(tmp_path / "s0", 0, lopd_final=0.5, grpo_final=0.2)
+    b = _study_file(tmp_path / "s1", 1, lopd_final=0.35, grpo_final=0.4)
+    out = tmp_path / "merged"
+    data = se.main(["--merge", str(a), str(b), "--out", str(out), "--no-report"])
+
+    saved = json.loads((out / "sample_efficiency.json").read_text())
+    assert saved["methods"]["lopd"]["seeds"] == [0, 1] and saved["methods"]["grpo"]["seeds"] == [0, 1]
+    assert saved["methods"]["lopd"]["final_success_mean"] == pytest.approx(0.425)
+    # t interval over two seeds: 12.706 * sd / sqrt(2), sd of (0.5, 0.35) = 0.10607
+    assert saved["methods"]["lopd"]["final_success_ci95"] == pytest.approx(12.706 * 0.10607 / 2 ** 0.5, rel=1e-3)
+    frac = saved["lopd_fraction_of_budget_to_grpo_final"]
+    assert frac["target_grpo_final_success"] == pytest.approx(0.3)
+    # linear between checkpoints: seed 0 crosses 0.3 halfway up 32 -> 96 (0.1 -> 0.5), seed 1
+    # four fifths up it (0.1 -> 0.35)
+    assert frac["per_seed"] == pytest.approx([64 / 96, (32 + 64 * 0.8) / 96])
+    assert set(saved["bank"]) == {"0", "1"} and saved == json.loads(json.dumps(data))
+    assert (out / "sample_efficiency.png").stat().st_size > 0
+
+    c = _study_file(tmp_path / "s2", 2, 0.1, 0.1, budget=128)
+    with pytest.raises(SystemExit, match="budget"):
+        se.main(["--merge", str(a), str(c), "--out", str(tmp_path / "bad"), "--no-report"])
