@@ -6,6 +6,8 @@ code path, then scores the held-out rollouts' action tokens with the frozen teac
 
     learned   c_φ of the retrieved items (the cold-started composer)
     random    random latents with c_φ's per-row norms, same placeholders
+    zeros     the framed block with all-zero latents (what the framing alone does)
+    shuffled  c_φ of another held-out example's retrieved items (right form, wrong task)
     none      no reference block at all (the plain prompt)
 
 and also `learned` before training (the randomly initialised composer).
@@ -79,7 +81,7 @@ def main() -> None:
     torch.manual_seed(0)
     before = teacher_nll(model, tok, fresh, val, "learned")
     composer = Composer.load(Path(summary["composer"]), model, tok, recipe.composer)
-    nll = {m: teacher_nll(model, tok, composer, val, m) for m in ("learned", "random", "none")}
+    nll = {m: teacher_nll(model, tok, composer, val, m) for m in ("learned", "random", "zeros", "shuffled", "none")}
     retriever.close()
     result = {
         "model": args.model, "bank_rollouts": added.successes, "train_examples": summary["train_examples"],

@@ -13,7 +13,8 @@ def test_version_via_python_m():
 
 
 def test_init_makes_the_layout_and_refuses_twice(lopd, tmp_path):
-    r = lopd("init", "proj", "--example", "orders", "--model", "tiny", cwd=tmp_path)
+    # The trained base policy is built (and checked) by the slow band test in test_rollout_cli.
+    r = lopd("init", "proj", "--example", "orders", "--model", "tiny", "--no-base-policy", cwd=tmp_path)
     assert r.code == 0, r
     root = tmp_path / "proj"
     for sub in ("recipes", "runs", "models", "index"):
@@ -28,7 +29,7 @@ def test_init_makes_the_layout_and_refuses_twice(lopd, tmp_path):
     assert again.code == 1 and "already holds a lopd project" in again.err and "--force" in again.err
     assert "# my edit" in (root / "recipes" / "toolcall.yaml").read_text(), "a refused init must not touch files"
 
-    forced = lopd("init", "proj", "--force", cwd=tmp_path)
+    forced = lopd("init", "proj", "--force", "--no-base-policy", cwd=tmp_path)
     assert forced.code == 0, forced
 
 
@@ -73,7 +74,7 @@ def test_debug_shows_traceback(tmp_path):
 
 
 def test_project_found_upward(lopd, tmp_path):
-    assert lopd("init", "proj", cwd=tmp_path).code == 0
+    assert lopd("init", "proj", "--no-base-policy", cwd=tmp_path).code == 0
     deep = tmp_path / "proj" / "runs" / "a"
     deep.mkdir(parents=True)
     r = lopd("recipe", "check", "toolcall", "--json", cwd=deep)

@@ -68,9 +68,9 @@ def test_coldstart_cli_end_to_end(tmp_path):
     from lopd_cli.models.backbone import load_backbone
     from lopd_cli.models.composer import Composer
     from lopd_cli.scaffold import create_project
-    from lopd_cli.train.coldstart import make_examples
+    from lopd_cli.train.coldstart import make_examples, teacher_nll
 
-    project = create_project(tmp_path / "p", example="orders", model="tiny")
+    project = create_project(tmp_path / "p", example="orders", model="tiny", base_policy=False)
     sets = ["env.kwargs={n_train: 8}", "coldstart.steps=2", "coldstart.batch_size=2", "coldstart.eval_every=1",
             "coldstart.val_fraction=0.25", "composer.num_queries=2", "composer.depth=1", "composer.max_item_tokens=64",
             "bank.n_retrieve=2"]
@@ -109,6 +109,16 @@ def test_coldstart_cli_end_to_end(tmp_path):
         with torch.no_grad():
             live = composer([refs], [task.instruction])[0]
         assert torch.allclose(cache.get(task.instruction, refs), live, atol=1e-5)
+
+        # The NLL diagnostics of benchmarks/coldstart_nll.py: each mode changes what the teacher sees.
+        nll = {m: teacher_nll(model, tok, composer, examples[:4], m, batch_size=4)
+               for m in ("learned", "random", "zeros", "shuffled", "none")}
+        assert all(0 < v < 20 for v in nll.values()) and len(set(nll.values())) == 5, nll
+        # "shuffled" hands each example its neighbour's references: alone in its batch, its own.
+        alone = teacher_nll(model, tok, composer, examples[:1], "shuffled", batch_size=1)
+        assert alone == pytest.approx(teacher_nll(model, tok, composer, examples[:1], "learned", batch_size=1))
+        with pytest.raises(ValueError, match="unknown mode"):
+            teacher_nll(model, tok, composer, examples[:1], "bogus")
     finally:
         retriever.close()
 

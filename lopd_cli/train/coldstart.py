@@ -143,7 +143,9 @@ def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example
     """Per-token NLL of the examples' action tokens under the teacher, no grad.
 
     mode: "learned" (c_φ of the retrieved items), "random" (random latents with c_φ's per-row
-    norms), "none" (no reference block)."""
+    norms), "zeros" (the framed block with all-zero latents: the framing alone), "shuffled" (c_φ
+    of another example's retrieved items: latents of the right form without this task's
+    information; needs >= 2 examples per batch), "none" (no reference block)."""
     gen = torch.Generator().manual_seed(seed)
     total, count = 0.0, 0
     with torch.no_grad():
@@ -153,10 +155,15 @@ def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example
             if mode == "none":
                 lp = plain_teacher_token_logprobs(model, eps)
             else:
-                latents = composer([ex.refs for ex in chunk], [e.task.instruction for e in eps])
+                refs = [ex.refs for ex in chunk]
+                if mode == "shuffled":
+                    refs = refs[1:] + refs[:1]  # each example gets its neighbour's references
+                latents = composer(refs, [e.task.instruction for e in eps])
                 if mode == "random":
                     latents = same_norm_random(latents, gen)
-                elif mode != "learned":
+                elif mode == "zeros":
+                    latents = torch.zeros_like(latents)
+                elif mode not in ("learned", "shuffled"):
                     raise ValueError(f"unknown mode {mode!r}")
                 batch = build_teacher_batch(eps, tokenizer, latents.shape[1]).to(latents.device)
                 lp = teacher_token_logprobs(model, batch, latents)
