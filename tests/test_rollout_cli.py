@@ -55,9 +55,6 @@ def test_a_reward_plugin_that_returns_nonsense_is_named(lopd, project, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="the tiny base policy is below the 10-40 % band (1.6 % on 64 train tasks): "
-                          "300 imitation steps do not teach the tiny model to copy ids (see benchmarks/RESULTS.md)",
-                   strict=False)
 def test_tiny_base_policy_succeeds_sometimes_but_not_mostly(lopd, tmp_path):
     """`lopd init` trains (or copies the cached) tiny orders base policy; train success at
     temperature 1.0 lands in the 10–40 % band."""

@@ -1,11 +1,16 @@
 """The tiny base policy for `orders`: short imitation of a noisy scripted oracle.
 
 LOPD needs a base model that already succeeds sometimes. The embedded `tiny` backbone has
-random weights, so `lopd init --example orders --model tiny` trains it for a few hundred steps
-on transcripts of the oracle (`orders.oracle_plan`) in which some episodes carry a mistake (a
+random weights, so `lopd init --example orders --model tiny` trains it for 900 steps on
+transcripts of the oracle (`orders.oracle_plan`) in which some episodes carry a mistake (a
 wrong id, stopping early, an answer missing its fact). The result succeeds on some but not
 most training tasks at temperature 1.0 (see benchmarks/RESULTS.md). Seeded and reproducible
 on a given machine; the model is cached in `$LOPD_CACHE/models/` and copied into projects.
+
+Why 900 steps: the tiny model learns the call format within ~100 steps but learns to copy ids
+from the context only after a sudden drop of the loss around step 550-750 (an induction-head
+style transition). At 300 steps it succeeded on 1.6 % of training tasks at T = 1, at 600 on
+4.7 %, at 900 on 18.8 % (64 tasks; greedy 39 %).
 
 Training shares the prompt prefix all orders episodes have in common (system prompt + tool
 schemas): it is run once per step (batch 1, with gradients) and its KV cache is repeated for
@@ -25,8 +30,8 @@ from lopd_cli.agent.toolcalls import to_openai_tool_calls
 from lopd_cli.agent.types import Task, ToolCall
 from lopd_cli.envs.orders import OrdersEnv, oracle_plan
 
-POLICY_VERSION = 1  # bump when the recipe below changes, so cached policies are rebuilt
-DEFAULTS = dict(steps=300, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0)
+POLICY_VERSION = 2  # bump when the recipe below changes, so cached policies are rebuilt
+DEFAULTS = dict(steps=900, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0)
 
 
 def noisy_oracle_transcript(task: Task, rng: random.Random, noise: float) -> list[dict]:
