@@ -114,7 +114,10 @@ def test_coldstart_cli_end_to_end(tmp_path):
         nll = {m: teacher_nll(model, tok, composer, examples[:4], m, batch_size=4)
                for m in ("learned", "random", "zeros", "shuffled", "none")}
         assert all(0 < v < 20 for v in nll.values()) and len(set(nll.values())) == 5, nll
-        # "shuffled" hands each example its neighbour's references: alone in its batch, its own.
+        # "shuffled" hands each example its neighbour's references across batch boundaries
+        # (batches of 1 still get another example's), and a single example gets its own.
+        assert teacher_nll(model, tok, composer, examples[:4], "shuffled", batch_size=1) == pytest.approx(
+            nll["shuffled"])
         alone = teacher_nll(model, tok, composer, examples[:1], "shuffled", batch_size=1)
         assert alone == pytest.approx(teacher_nll(model, tok, composer, examples[:1], "learned", batch_size=1))
         with pytest.raises(ValueError, match="unknown mode"):

@@ -145,8 +145,11 @@ def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example
     mode: "learned" (c_φ of the retrieved items), "random" (random latents with c_φ's per-row
     norms), "zeros" (the framed block with all-zero latents: the framing alone), "shuffled" (c_φ
     of another example's retrieved items: latents of the right form without this task's
-    information; needs >= 2 examples per batch), "none" (no reference block)."""
+    information), "none" (no reference block)."""
     gen = torch.Generator().manual_seed(seed)
+    all_refs = [ex.refs for ex in examples]
+    if mode == "shuffled":  # rotate over the whole set, so no batch boundary hands back its own
+        all_refs = all_refs[1:] + all_refs[:1]
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(examples), batch_size):
@@ -155,9 +158,7 @@ def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example
             if mode == "none":
                 lp = plain_teacher_token_logprobs(model, eps)
             else:
-                refs = [ex.refs for ex in chunk]
-                if mode == "shuffled":
-                    refs = refs[1:] + refs[:1]  # each example gets its neighbour's references
+                refs = all_refs[start : start + batch_size]
                 latents = composer(refs, [e.task.instruction for e in eps])
                 if mode == "random":
                     latents = same_norm_random(latents, gen)
