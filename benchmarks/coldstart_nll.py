@@ -2,12 +2,13 @@
 
 Builds a throw-away project (orders world, tiny backbone by default), fills its bank with the
 orders oracle's successful transcripts of N training tasks, indexes it, runs `lopd coldstart`'s
-code path, then scores the held-out rollouts' action tokens with the frozen teacher three ways:
+code path, then scores the held-out rollouts' action tokens with the frozen teacher six ways:
 
     learned   c_φ of the retrieved items (the cold-started composer)
     random    random latents with c_φ's per-row norms, same placeholders
     zeros     the framed block with all-zero latents (what the framing alone does)
     shuffled  c_φ of another held-out example's retrieved items (right form, wrong task)
+    text      the retrieved items as plain text in the same frame (OPSD's teacher)
     none      no reference block at all (the plain prompt)
 
 and also `learned` before training (the randomly initialised composer).
@@ -81,7 +82,11 @@ def main() -> None:
     torch.manual_seed(0)
     before = teacher_nll(model, tok, fresh, val, "learned")
     composer = Composer.load(Path(summary["composer"]), model, tok, recipe.composer)
-    nll = {m: teacher_nll(model, tok, composer, val, m) for m in ("learned", "random", "zeros", "shuffled", "none")}
+    from lopd_cli.train.loop import text_reference_chars
+
+    text = dict(obs_char_budget=recipe.bank.obs_char_budget, text_max_chars=text_reference_chars(recipe))
+    nll = {m: teacher_nll(model, tok, composer, val, m, **text)
+           for m in ("learned", "random", "zeros", "shuffled", "text", "none")}
     retriever.close()
     result = {
         "model": args.model, "bank_rollouts": added.successes, "train_examples": summary["train_examples"],

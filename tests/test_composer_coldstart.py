@@ -112,8 +112,20 @@ def test_coldstart_cli_end_to_end(tmp_path):
 
         # The NLL diagnostics of benchmarks/coldstart_nll.py: each mode changes what the teacher sees.
         nll = {m: teacher_nll(model, tok, composer, examples[:4], m, batch_size=4)
-               for m in ("learned", "random", "zeros", "shuffled", "none")}
-        assert all(0 < v < 20 for v in nll.values()) and len(set(nll.values())) == 5, nll
+               for m in ("learned", "random", "zeros", "shuffled", "text", "none")}
+        assert all(0 < v < 20 for v in nll.values()) and len(set(nll.values())) == 6, nll
+        # "text" is OPSD's teacher: the references verbatim in the frame, scored by the bare backbone.
+        from lopd_cli.models.adapters import teacher_view
+        from lopd_cli.models.latent import text_teacher_prompt_ids
+
+        ep = examples[0].episode
+        ids = text_teacher_prompt_ids(tok, ep.prompt_messages, ep.task.tools, examples[0].refs, 600, 1536)
+        ids = ids + list(ep.input_ids[ep.prompt_len:])
+        shift = len(ids) - len(ep.input_ids)
+        with torch.no_grad(), teacher_view(model):
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        want = [-logp[i + shift - 1, t].item() for i, (t, m) in enumerate(zip(ep.input_ids, ep.action_mask)) if m]
+        assert teacher_nll(model, tok, composer, examples[:1], "text") == pytest.approx(sum(want) / len(want), rel=1e-4)
         # "shuffled" hands each example its neighbour's references across batch boundaries
         # (batches of 1 still get another example's), and a single example gets its own.
         assert teacher_nll(model, tok, composer, examples[:4], "shuffled", batch_size=1) == pytest.approx(

@@ -33,14 +33,34 @@ FRAMING_BEFORE = (
 FRAMING_AFTER = "\n\n--- end of reference ---\n\nNow solve your own task, starting from scratch:\n\n"
 
 
-def teacher_prompt_messages(prompt_messages: list[dict]) -> list[dict]:
-    """The prompt with the reference block (one placeholder) at the start of the first user turn."""
+def with_reference_block(prompt_messages: list[dict], block: str) -> list[dict]:
+    """The prompt with `block`, framed, at the start of the first user turn (a copy)."""
     msgs = copy.deepcopy(prompt_messages)
     idx = next((i for i, m in enumerate(msgs) if m.get("role") == "user"), None)
     if idx is None:
-        raise LopdError("the episode's prompt has no user message to hold the latent reference block")
-    msgs[idx]["content"] = FRAMING_BEFORE + LATENT_TOKEN + FRAMING_AFTER + content_text(msgs[idx].get("content"))
+        raise LopdError("the episode's prompt has no user message to hold the reference block")
+    msgs[idx]["content"] = FRAMING_BEFORE + block + FRAMING_AFTER + content_text(msgs[idx].get("content"))
     return msgs
+
+
+def text_reference_block(items: Sequence, obs_char_budget: int, max_chars: int) -> str:
+    """Retrieved items as plain text (observation-lite, each cut at `max_chars`): what OPSD's
+    teacher reads where LOPD's reads c_φ."""
+    from lopd_cli.bank.lite import lite_text
+
+    return "\n\n".join(f"Reference {k + 1}:\n{lite_text(it, obs_char_budget)[:max_chars]}" for k, it in enumerate(items))
+
+
+def teacher_prompt_messages(prompt_messages: list[dict]) -> list[dict]:
+    """The prompt with the latent reference block (one placeholder) at the start of the first user turn."""
+    return with_reference_block(prompt_messages, LATENT_TOKEN)
+
+
+def text_teacher_prompt_ids(tokenizer, prompt_messages: list[dict], tools: list[dict] | None, items: Sequence,
+                            obs_char_budget: int, max_chars: int) -> list[int]:
+    """OPSD's teacher prompt: the same frame holding the retrieved items as text."""
+    block = text_reference_block(items, obs_char_budget, max_chars)
+    return render_prompt_ids(tokenizer, with_reference_block(prompt_messages, block), tools)
 
 
 def teacher_prompt_ids(tokenizer, prompt_messages: list[dict], tools: list[dict] | None, n_latents: int) -> tuple[list[int], int]:

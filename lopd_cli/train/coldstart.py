@@ -26,7 +26,7 @@ from lopd_cli.agent.chat import render_prompt_ids, tokenize_transcript
 from lopd_cli.agent.types import Episode, Task
 from lopd_cli.errors import LopdError
 from lopd_cli.models.composer import Composer
-from lopd_cli.models.latent import TeacherBatch, build_teacher_batch, output_head, teacher_hidden
+from lopd_cli.models.latent import TeacherBatch, build_teacher_batch, output_head, teacher_hidden, text_teacher_prompt_ids
 from lopd_cli.models.latent_cache import LatentCache
 from lopd_cli.train.losses import chunked_token_logprobs
 
@@ -139,13 +139,14 @@ def same_norm_random(latents: torch.Tensor, generator: torch.Generator | None = 
 
 
 def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example], mode: str = "learned",
-                batch_size: int = 8, seed: int = 0) -> float:
+                batch_size: int = 8, seed: int = 0, obs_char_budget: int = 600, text_max_chars: int = 1536) -> float:
     """Per-token NLL of the examples' action tokens under the teacher, no grad.
 
     mode: "learned" (c_φ of the retrieved items), "random" (random latents with c_φ's per-row
     norms), "zeros" (the framed block with all-zero latents: the framing alone), "shuffled" (c_φ
     of another example's retrieved items: latents of the right form without this task's
-    information), "none" (no reference block)."""
+    information), "text" (the retrieved items as plain text in the same frame: OPSD's teacher,
+    what the references can tell a teacher that reads them verbatim), "none" (no reference block)."""
     gen = torch.Generator().manual_seed(seed)
     all_refs = [ex.refs for ex in examples]
     if mode == "shuffled":  # rotate over the whole set, so no batch boundary hands back its own
@@ -157,6 +158,13 @@ def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example
             eps = [ex.episode for ex in chunk]
             if mode == "none":
                 lp = plain_teacher_token_logprobs(model, eps)
+            elif mode == "text":
+                refs = all_refs[start : start + batch_size]
+                batch = build_teacher_batch(eps, tokenizer, 0, prompt_fn=lambda b, ep: text_teacher_prompt_ids(
+                    tokenizer, ep.prompt_messages, ep.task.tools, refs[b], obs_char_budget, text_max_chars))
+                device = next(model.parameters()).device
+                empty = torch.zeros((len(eps), 0, model.get_input_embeddings().embedding_dim), device=device)
+                lp = teacher_token_logprobs(model, batch.to(device), empty)
             else:
                 refs = all_refs[start : start + batch_size]
                 latents = composer(refs, [e.task.instruction for e in eps])

@@ -238,22 +238,20 @@ def retrieve_refs(tr: Trainer, episodes: list[Episode]) -> list[list]:
 
 def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
     """OPSD's privileged context: the retrieved trajectories as plain text in the first user turn."""
-    from lopd_cli.agent.chat import render_prompt_ids
-    from lopd_cli.bank.lite import lite_text
-    from lopd_cli.models.latent import FRAMING_AFTER, FRAMING_BEFORE
-    import copy
+    from lopd_cli.models.latent import text_teacher_prompt_ids
 
     budget = tr.recipe.bank.obs_char_budget
-    max_chars = tr.recipe.composer.max_item_tokens * 4  # the same order of context as the composer reads
+    max_chars = text_reference_chars(tr.recipe)
 
     def prompt(ep: Episode, items: list) -> list[int]:
-        refs = "\n\n".join(f"Reference {k + 1}:\n{lite_text(it, budget)[:max_chars]}" for k, it in enumerate(items))
-        msgs = copy.deepcopy(ep.prompt_messages)
-        u = next(i for i, m in enumerate(msgs) if m.get("role") == "user")
-        msgs[u]["content"] = FRAMING_BEFORE + refs + FRAMING_AFTER + str(msgs[u].get("content") or "")
-        return render_prompt_ids(tr.tokenizer, msgs, ep.task.tools)
+        return text_teacher_prompt_ids(tr.tokenizer, ep.prompt_messages, ep.task.tools, items, budget, max_chars)
 
     return prompt
+
+
+def text_reference_chars(recipe) -> int:
+    """Characters of each text reference: the same order of context as the composer reads."""
+    return recipe.composer.max_item_tokens * 4
 
 
 def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
