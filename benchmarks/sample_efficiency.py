@@ -135,12 +135,103 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
 
 
+# ---------------------------------------------------------------------- aggregation (pure on the data)
+def aggregate(data: dict[str, Any]) -> None:
+    """Fill data["methods"] and data["lopd_fraction_of_budget_to_grpo_final"] from data["runs"]."""
+    by_method: dict[str, list[dict]] = {}
+    for r in data["runs"]:
+        by_method.setdefault(r["method"], []).append(r)
+    methods = {}
+    for m, runs in by_method.items():
+        finals = [r["curve"][-1]["success"] for r in runs]
+        mean, hw = t_interval(finals)
+        methods[m] = {"final_success_mean": mean, "final_success_ci95": hw, "seeds": [r["seed"] for r in runs],
+                      "final_success_per_seed": finals,
+                      "final_rollouts": [r["curve"][-1]["rollouts"] for r in runs]}
+    data["methods"] = methods
+    data["lopd_fraction_of_budget_to_grpo_final"] = None
+    if "lopd" in methods and "grpo" in methods:
+        target = methods["grpo"]["final_success_mean"]
+        fracs, reached = [], []
+        for r in by_method["lopd"]:
+            x = crossing_budget([(p["rollouts"], p["success"]) for p in r["curve"]], target)
+            reached.append(x is not None)
+            fracs.append(x / data["budget"] if x is not None else None)
+        got = [f for f in fracs if f is not None]
+        mean, hw = t_interval(got)
+        data["lopd_fraction_of_budget_to_grpo_final"] = {
+            "target_grpo_final_success": target, "per_seed": fracs, "seeds_reaching": sum(reached),
+            "seeds": len(fracs), "mean_over_reaching_seeds": mean, "ci95": hw,
+            "min": min(got) if got else None, "max": max(got) if got else None,
+            "note": "per seed: first rollout count (linear between checkpoints) at which LOPD's test success "
+                    "reaches GRPO's mean final test success, divided by B; None = not reached within B",
+        }
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Success vs rollouts, mean and 95 % interval over seeds, per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from lopd_cli.evaluate import mean_interval
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by_method: dict[str, list[dict]] = {}
+    for r in data["runs"]:
+        by_method.setdefault(r["method"], []).append(r)
+    for m, runs in by_method.items():
+        xs = sorted({p["rollouts"] for r in runs for p in r["curve"]})
+        mean, lo, hi = [], [], []
+        for x in xs:
+            vals = [p["success"] for r in runs for p in r["curve"] if p["rollouts"] == x]
+            iv = mean_interval(vals)
+            hw = iv.half_width or 0.0
+            mean.append(iv.estimate)
+            lo.append(iv.estimate - hw)
+            hi.append(iv.estimate + hw)
+        line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{m} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        ax.fill_between(xs, np.clip(lo, 0, 1), np.clip(hi, 0, 1), color=line.get_color(), alpha=0.15)
+    top = max((p["success"] for r in data["runs"] for p in r["curve"]), default=0.0)
+    ax.set_ylim(0, min(1.0, max(0.25, top + 0.1)))  # from 0, so small differences look small
+    ax.axvline(data["bank_rollouts"], color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("rollouts (bank filling included)")
+    ax.set_ylabel(f"{data['eval_split']} success (greedy, n={data['eval_n']})")
+    ax.set_title(f"orders, tiny base policy, B={data['budget']}" + (" (PARTIAL)" if data["partial"] else ""))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def save(data: dict[str, Any], out: Path) -> None:
+    """Write out/sample_efficiency.json atomically."""
+    path = out / "sample_efficiency.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def finish(data: dict[str, Any], out: Path, report: bool) -> None:
+    """Aggregate, save, plot and (optionally) draw the `lopd report` figure of every run."""
+    aggregate(data)
+    save(data, out)
+    if data["runs"]:
+        plot(data, out / "sample_efficiency.png")
+        if report:
+            from lopd_cli.report import write_report
+
+            write_report([Path(r["run_dir"]) for r in data["runs"]], out / "sample_efficiency_report.png")
+
+
 class Study:
     def __init__(self, args, say):
         self.args, self.say = args, say
         self.work = Path(args.work)
         self.out = Path(args.out)
-        self.json_path = self.out / "sample_efficiency.json"
         self.started = time.time()
         self.seed_projects: dict[int, tuple[Any, Path | None, bool]] = {}
         self.data: dict[str, Any] = {
@@ -266,89 +357,14 @@ class Study:
                                   "train_seconds": t_train, "curve": curve})
         self.finish()
 
-    # ------------------------------------------------------------------ aggregation
-    def aggregate(self) -> None:
-        by_method: dict[str, list[dict]] = {}
-        for r in self.data["runs"]:
-            by_method.setdefault(r["method"], []).append(r)
-        methods = {}
-        for m, runs in by_method.items():
-            finals = [r["curve"][-1]["success"] for r in runs]
-            mean, hw = t_interval(finals)
-            methods[m] = {"final_success_mean": mean, "final_success_ci95": hw, "seeds": [r["seed"] for r in runs],
-                          "final_success_per_seed": finals,
-                          "final_rollouts": [r["curve"][-1]["rollouts"] for r in runs]}
-        self.data["methods"] = methods
-        self.data["lopd_fraction_of_budget_to_grpo_final"] = None
-        if "lopd" in methods and "grpo" in methods:
-            target = methods["grpo"]["final_success_mean"]
-            fracs, reached = [], []
-            for r in by_method["lopd"]:
-                x = crossing_budget([(p["rollouts"], p["success"]) for p in r["curve"]], target)
-                reached.append(x is not None)
-                fracs.append(x / self.args.budget if x is not None else None)
-            got = [f for f in fracs if f is not None]
-            mean, hw = t_interval(got)
-            self.data["lopd_fraction_of_budget_to_grpo_final"] = {
-                "target_grpo_final_success": target, "per_seed": fracs, "seeds_reaching": sum(reached),
-                "seeds": len(fracs), "mean_over_reaching_seeds": mean, "ci95": hw,
-                "min": min(got) if got else None, "max": max(got) if got else None,
-                "note": "per seed: first rollout count (linear between checkpoints) at which LOPD's test success "
-                        "reaches GRPO's mean final test success, divided by B; None = not reached within B",
-            }
-
-    def plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-
-        from lopd_cli.evaluate import mean_interval
-
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        by_method: dict[str, list[dict]] = {}
-        for r in self.data["runs"]:
-            by_method.setdefault(r["method"], []).append(r)
-        for m, runs in by_method.items():
-            xs = sorted({p["rollouts"] for r in runs for p in r["curve"]})
-            mean, lo, hi = [], [], []
-            for x in xs:
-                vals = [p["success"] for r in runs for p in r["curve"] if p["rollouts"] == x]
-                iv = mean_interval(vals)
-                hw = iv.half_width or 0.0
-                mean.append(iv.estimate)
-                lo.append(iv.estimate - hw)
-                hi.append(iv.estimate + hw)
-            line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{m} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
-            ax.fill_between(xs, np.clip(lo, 0, 1), np.clip(hi, 0, 1), color=line.get_color(), alpha=0.15)
-        top = max((p["success"] for r in self.data["runs"] for p in r["curve"]), default=0.0)
-        ax.set_ylim(0, min(1.0, max(0.25, top + 0.1)))  # from 0, so small differences look small
-        ax.axvline(self.args.bank, color="grey", lw=0.8, ls=":")
-        ax.set_xlabel("rollouts (bank filling included)")
-        ax.set_ylabel(f"{self.data['eval_split']} success (greedy, n={self.data['eval_n']})")
-        ax.set_title(f"orders, tiny base policy, B={self.args.budget}" + (" (PARTIAL)" if self.data["partial"] else ""))
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(self.out / "sample_efficiency.png", dpi=80)
-        plt.close(fig)
-
+    # ------------------------------------------------------------------ output
     def save(self) -> None:
         self.data["elapsed_s"] = time.time() - self.started
-        tmp = self.json_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2))
-        tmp.replace(self.json_path)
+        save(self.data, self.out)
 
     def finish(self) -> None:
-        self.aggregate()
-        self.save()
-        if self.data["runs"]:
-            self.plot()
-            if self.args.report:
-                from lopd_cli.report import write_report
-
-                write_report([Path(r["run_dir"]) for r in self.data["runs"]], self.out / "sample_efficiency_report.png")
+        self.data["elapsed_s"] = time.time() - self.started
+        finish(self.data, self.out, self.args.report)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -398,14 +414,10 @@ def merge(paths: list[Path], out: Path, report: bool = True) -> dict[str, Any]:
     data["command"] = " && ".join(d["command"] for d in parts)
     data["merged_from"] = [str(p) for p in paths]
     data["elapsed_s"] = sum(d.get("elapsed_s", 0.0) for d in parts)
-    args = argparse.Namespace(out=str(out), work=str(out), budget=data["budget"], bank=data["bank_rollouts"],
-                              report=report)
-    study = Study.__new__(Study)
-    study.args, study.say, study.out, study.data = args, print, Path(out), data
-    study.json_path, study.started = study.out / "sample_efficiency.json", time.time() - data["elapsed_s"]
-    study.out.mkdir(parents=True, exist_ok=True)
-    study.finish()
-    return study.data
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    finish(data, out, report)
+    return data
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
