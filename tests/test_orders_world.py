@@ -78,3 +78,40 @@ def test_answer_facts_count(splits):
     t = next(t for t in splits["test"] if t.data["kind"] == "total")
     assert solve(t, answer="It cost something.")[0] == 0.0
     assert solve(t, answer=f"That was {t.data['facts'][0]} in total.")[0] == 1.0
+
+
+def test_base_policy_examples_with_references_imitate_the_clean_oracle():
+    """Base policy v3's data: a share of examples carry solved transcripts of other tasks of the
+    same kind, as text in the teacher's reference frame, and then imitate the clean oracle."""
+    import random
+
+    from lopd_cli.agent.chat import tokenize_transcript
+    from lopd_cli.envs.orders_policy import _examples, noisy_oracle_transcript
+    from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.models.latent import FRAMING_AFTER, FRAMING_BEFORE
+
+    _, tok = load_backbone("tiny", device="cpu")
+    tasks = OrdersEnv(n_train=40).tasks("train")
+    plain = _examples(tok, tasks, random.Random(1), noise=1.0, reference_fraction=0.0)
+    framed = _examples(tok, tasks, random.Random(1), noise=1.0, reference_fraction=1.0, max_references=2)
+    clean = random.Random(0)
+    n_framed = 0
+    for task, (ids, mask), (pids, pmask) in zip(tasks, framed, plain):
+        text = tok.decode(ids)
+        if FRAMING_BEFORE.strip() not in text:  # only when no other task of its kind exists
+            continue
+        n_framed += 1
+        refs = text.split(FRAMING_BEFORE.strip())[1].split(FRAMING_AFTER.strip())[0]
+        assert 1 <= refs.count("Reference ") <= 2
+        assert f"Task: {task.instruction}\n" not in refs  # never its own task
+        kinds = {t.instruction: t.data["kind"] for t in tasks}
+        for line in refs.splitlines():
+            if line.startswith("Task: "):
+                assert kinds[line[len("Task: "):]] == task.data["kind"]
+        # The actions after the prompt are the oracle's, with no mistake (noise=1.0 had one).
+        want, want_mask = tokenize_transcript(tok, noisy_oracle_transcript(task, clean, 0.0), task.tools)
+        assert [t for t, m in zip(ids, mask) if m] == [t for t, m in zip(want, want_mask) if m]
+        # Without references the same task is imitated from the noisy oracle (noise=1.0: a mistake).
+        assert FRAMING_BEFORE.strip() not in tok.decode(pids)
+        assert [t for t, m in zip(pids, pmask) if m] != [t for t, m in zip(want, want_mask) if m]
+    assert n_framed >= len(tasks) // 2

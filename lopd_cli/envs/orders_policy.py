@@ -10,7 +10,17 @@ on a given machine; the model is cached in `$LOPD_CACHE/models/` and copied into
 Why 900 steps: the tiny model learns the call format within ~100 steps but learns to copy ids
 from the context only after a sudden drop of the loss around step 550-750 (an induction-head
 style transition). At 300 steps it succeeded on 1.6 % of training tasks at T = 1, at 600 on
-4.7 %, at 900 on 18.8 % (64 tasks; greedy 39 %).
+4.7 %, at 900 on 18.8 % (64 tasks; greedy 39 %; version 2).
+
+Why some examples carry references (version 3): LOPD and OPSD put a framed reference block in
+the teacher's prompt. An instruct LM has seen documents with worked examples and does better
+with one in its prompt; a tiny model trained on plain prompts has not, and the frame alone
+cost it 0.63 nats per action token (version 2, benchmarks/RESULTS.md). So 40 % of the
+imitation examples hold 1-2 solved transcripts of other tasks of the same kind, as text in
+the very frame the teachers use (`models.latent.with_reference_block`), and those examples
+imitate the oracle without mistakes. This builds in, on purpose and only for the tiny stand-in,
+the premise every privileged-context method relies on: a solved example in the prompt helps.
+Plain prompts keep the noisy oracle, so the student alone still fails often.
 
 Training shares the prompt prefix all orders episodes have in common (system prompt + tool
 schemas): it is run once per step (batch 1, with gradients) and its KV cache is repeated for
@@ -30,8 +40,9 @@ from lopd_cli.agent.toolcalls import to_openai_tool_calls
 from lopd_cli.agent.types import Task, ToolCall
 from lopd_cli.envs.orders import OrdersEnv, oracle_plan
 
-POLICY_VERSION = 2  # bump when the recipe below changes, so cached policies are rebuilt
-DEFAULTS = dict(steps=900, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0)
+POLICY_VERSION = 3  # bump when the recipe below changes, so cached policies are rebuilt
+DEFAULTS = dict(steps=900, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0,
+                reference_fraction=0.4, max_references=2)
 
 
 def noisy_oracle_transcript(task: Task, rng: random.Random, noise: float) -> list[dict]:
@@ -60,10 +71,36 @@ def noisy_oracle_transcript(task: Task, rng: random.Random, noise: float) -> lis
     return messages
 
 
-def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float) -> list[tuple[list[int], list[int]]]:
+def with_text_references(messages: list[dict], task: Task, references: dict[str, list], rng: random.Random,
+                         max_references: int) -> list[dict]:
+    """`messages` with 1..max_references solved transcripts of other tasks of the same kind as
+    plain text in the teacher's reference frame (`models.latent.with_reference_block`)."""
+    from lopd_cli.models.latent import text_reference_block, with_reference_block
+
+    pool = [r for r in references.get(task.data.get("kind"), []) if r.instruction != task.instruction]
+    if not pool:
+        return messages
+    picked = rng.sample(pool, min(len(pool), rng.randint(1, max_references)))
+    return with_reference_block(messages, text_reference_block(picked, 600, 1536))
+
+
+def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float, reference_fraction: float = 0.0,
+              max_references: int = 3) -> list[tuple[list[int], list[int]]]:
+    from types import SimpleNamespace
+
+    clean = random.Random(0)
+    references: dict[str, list] = {}
+    for task in tasks:
+        ref = SimpleNamespace(instruction=task.instruction, messages=noisy_oracle_transcript(task, clean, 0.0))
+        references.setdefault(task.data.get("kind"), []).append(ref)
     out = []
     for task in tasks:
-        ids, mask = tokenize_transcript(tokenizer, noisy_oracle_transcript(task, rng, noise), task.tools)
+        if rng.random() < reference_fraction:  # a solved example in the prompt: imitate the clean oracle
+            messages = with_text_references(noisy_oracle_transcript(task, rng, 0.0), task, references, rng,
+                                            max_references)
+        else:
+            messages = noisy_oracle_transcript(task, rng, noise)
+        ids, mask = tokenize_transcript(tokenizer, messages, task.tools)
         out.append((ids, mask))
     return out
 
@@ -108,6 +145,7 @@ def train_orders_base_policy(
     lr: float = DEFAULTS["lr"],
     noise: float = DEFAULTS["noise"],
     number_weight: float = DEFAULTS["number_weight"],
+    reference_fraction: float = DEFAULTS["reference_fraction"],
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Path:
     """Train the base policy by imitation of the noisy oracle on the orders train split and save
@@ -126,7 +164,7 @@ def train_orders_base_policy(
     rng = random.Random(seed)
     model, tokenizer = load_backbone(backbone, device="cpu")
     tasks = OrdersEnv().tasks("train")
-    data = _examples(tokenizer, tasks, rng, noise)
+    data = _examples(tokenizer, tasks, rng, noise, reference_fraction, DEFAULTS["max_references"])
     plen = _common_prefix_len([ids for ids, _ in data]) - 1  # keep >= 1 token in every suffix
     prefix = torch.tensor([data[0][0][:plen]])
     model.train()
@@ -170,6 +208,7 @@ def train_orders_base_policy(
     (out_dir / "lopd_model.json").write_text(json.dumps(
         {"name": "orders-base-tiny", "backbone": backbone, "seed": seed, "steps": steps, "lr": lr,
          "noise": noise, "batch_size": batch_size, "number_weight": number_weight,
+         "reference_fraction": reference_fraction, "max_references": DEFAULTS["max_references"],
          "version": POLICY_VERSION}))
     return out_dir
 
