@@ -11,7 +11,9 @@ code path, then scores the held-out rollouts' action tokens with the frozen teac
     text      the retrieved items as plain text in the same frame (OPSD's teacher)
     none      no reference block at all (the plain prompt)
 
-and also `learned` before training (the randomly initialised composer).
+and also `learned` before training (the randomly initialised composer). `latent_task_spread`
+(before/after) says how much c_φ varies between held-out tasks relative to its norm: near 0,
+the composer has become a fixed soft prompt that ignores the references.
 
     .venv/bin/python benchmarks/coldstart_nll.py [--model tiny] [--tasks 96] [--steps 60]
 """
@@ -48,7 +50,7 @@ def main() -> None:
     from lopd_cli.envs.orders_policy import scripted_agent_records
     from lopd_cli.models.composer import Composer
     from lopd_cli.scaffold import create_project
-    from lopd_cli.train.coldstart import make_examples, split_by_task, teacher_nll, run_coldstart
+    from lopd_cli.train.coldstart import latent_task_spread, make_examples, split_by_task, teacher_nll, run_coldstart
 
     root = Path(args.out or tempfile.mkdtemp(prefix="lopd-coldstart-"))
     project = create_project(root, example="orders", model=args.model, force=True)
@@ -81,17 +83,20 @@ def main() -> None:
     val = make_examples(tok, retriever, val_items, recipe.bank.n_retrieve, recipe.rollout.max_prompt_tokens)
     torch.manual_seed(0)
     before = teacher_nll(model, tok, fresh, val, "learned")
+    spread_before = latent_task_spread(fresh, val)
     composer = Composer.load(Path(summary["composer"]), model, tok, recipe.composer)
     from lopd_cli.train.loop import text_reference_chars
 
     text = dict(obs_char_budget=recipe.bank.obs_char_budget, text_max_chars=text_reference_chars(recipe))
     nll = {m: teacher_nll(model, tok, composer, val, m, **text)
            for m in ("learned", "random", "zeros", "shuffled", "text", "none")}
+    spread = latent_task_spread(composer, val)
     retriever.close()
     result = {
         "model": args.model, "bank_rollouts": added.successes, "train_examples": summary["train_examples"],
         "heldout_examples": len(val), "steps": summary["steps"], "coldstart_seconds": round(seconds, 1),
         "nll_learned_before": round(before, 4), **{f"nll_{k}": round(v, 4) for k, v in nll.items()},
+        "latent_task_spread_before": round(spread_before, 4), "latent_task_spread": round(spread, 4),
         "val_nll_logged": summary["val_nll_after"], "project": str(root),
     }
     print(json.dumps(result, indent=2))

@@ -132,6 +132,15 @@ def test_coldstart_cli_end_to_end(tmp_path):
             nll["shuffled"])
         alone = teacher_nll(model, tok, composer, examples[:1], "shuffled", batch_size=1)
         assert alone == pytest.approx(teacher_nll(model, tok, composer, examples[:1], "learned", batch_size=1))
+        # Different references give different latents; the same ones given to every task, none.
+        from lopd_cli.train.coldstart import Example, latent_task_spread
+
+        assert latent_task_spread(composer, examples[:4], batch_size=3) > 1e-3
+        import dataclasses
+
+        first = examples[0]
+        same = [Example(dataclasses.replace(ex.episode, task=first.episode.task), first.refs) for ex in examples[:4]]
+        assert latent_task_spread(composer, same) < 1e-5
         with pytest.raises(ValueError, match="unknown mode"):
             teacher_nll(model, tok, composer, examples[:1], "bogus")
     finally:

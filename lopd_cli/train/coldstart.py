@@ -181,6 +181,17 @@ def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example
     return total / max(count, 1)
 
 
+def latent_task_spread(composer: Composer, examples: Sequence[Example], batch_size: int = 8) -> float:
+    """How much c_φ varies from task to task: mean ‖c − c̄‖ / mean ‖c‖ over the examples' latent
+    rows (c̄ = the mean over examples, per row). 0 means the composer ignores what it reads (a
+    fixed soft prompt); a fresh composer gives a few percent to tens of percent."""
+    with torch.no_grad():
+        lat = torch.cat([composer([ex.refs for ex in examples[i : i + batch_size]],
+                                  [ex.episode.task.instruction for ex in examples[i : i + batch_size]])
+                         for i in range(0, len(examples), batch_size)]).float()
+    return float((lat - lat.mean(0, keepdim=True)).norm(dim=-1).mean() / lat.norm(dim=-1).mean().clamp(min=1e-12))
+
+
 # ------------------------------------------------------------------------------ training
 
 
