@@ -43,6 +43,9 @@ from lopd_cli.envs.orders import OrdersEnv, oracle_plan
 POLICY_VERSION = 3  # bump when the recipe below changes, so cached policies are rebuilt
 DEFAULTS = dict(steps=900, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0,
                 reference_fraction=0.4, max_references=2)
+# How reference text is cut: the orders-tiny recipe's bank.obs_char_budget and composer.max_item_tokens × 4
+# (what OPSD's teacher reads, lopd_cli.train.loop.text_reference_chars).
+REFERENCE_OBS_CHARS, REFERENCE_MAX_CHARS = 600, 1536
 
 
 def noisy_oracle_transcript(task: Task, rng: random.Random, noise: float) -> list[dict]:
@@ -81,11 +84,11 @@ def with_text_references(messages: list[dict], task: Task, references: dict[str,
     if not pool:
         return messages
     picked = rng.sample(pool, min(len(pool), rng.randint(1, max_references)))
-    return with_reference_block(messages, text_reference_block(picked, 600, 1536))
+    return with_reference_block(messages, text_reference_block(picked, REFERENCE_OBS_CHARS, REFERENCE_MAX_CHARS))
 
 
 def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float, reference_fraction: float = 0.0,
-              max_references: int = 3) -> list[tuple[list[int], list[int]]]:
+              max_references: int = DEFAULTS["max_references"]) -> list[tuple[list[int], list[int]]]:
     from types import SimpleNamespace
 
     clean = random.Random(0)
