@@ -15,7 +15,7 @@ and also `learned` before training (the randomly initialised composer). `latent_
 (before/after) says how much c_φ varies between held-out tasks relative to its norm: near 0,
 the composer has become a fixed soft prompt that ignores the references.
 
-    .venv/bin/python benchmarks/coldstart_nll.py [--model tiny] [--tasks 96] [--steps 60]
+    .venv/bin/python benchmarks/coldstart_nll.py [--model tiny] [--tasks 96] [--steps 60] [--json-out F] [--quick]
 """
 
 from __future__ import annotations
@@ -28,14 +28,21 @@ import time
 from pathlib import Path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--tasks", type=int, default=96)
     ap.add_argument("--steps", type=int, default=None, help="coldstart.steps (default: the recipe's)")
     ap.add_argument("--set", action="append", default=[], help="extra recipe overrides")
     ap.add_argument("--out", default=None, help="project folder (default: a temporary one)")
-    args = ap.parse_args()
+    ap.add_argument("--json-out", default=None, help="also write the result to this JSON file")
+    ap.add_argument("--quick", action="store_true", help="8 tasks, 2 steps, a small composer: a minute; figures mean nothing")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tasks, args.steps = 8, 2
+        args.set = ["coldstart.batch_size=2", "coldstart.val_fraction=0.25", "coldstart.eval_every=1",
+                    "composer.num_queries=2", "composer.depth=1", "composer.max_item_tokens=64",
+                    "bank.n_retrieve=2"] + args.set
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lopd_cli.runtime import setup_torch
@@ -100,6 +107,9 @@ def main() -> None:
         "val_nll_logged": summary["val_nll_after"], "project": str(root),
     }
     print(json.dumps(result, indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

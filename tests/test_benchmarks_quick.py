@@ -139,3 +139,20 @@ def test_sample_efficiency_merges_per_seed_processes(tmp_path):
     c = _study_file(tmp_path / "s2", 2, 0.1, 0.1, budget=128)
     with pytest.raises(SystemExit, match="budget"):
         se.main(["--merge", str(a), str(c), "--out", str(tmp_path / "bad"), "--no-report"])
+
+
+@pytest.mark.slow
+def test_coldstart_nll_quick(tmp_path):
+    out = tmp_path / "coldstart_nll.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "coldstart_nll.py"), "--quick",
+                          "--out", str(tmp_path / "proj"), "--json-out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["bank_rollouts"] == 8 and data["steps"] == 2 and data["heldout_examples"] == 2
+    modes = ("learned", "random", "zeros", "shuffled", "text", "none")
+    assert all(0 < data[f"nll_{m}"] < 20 for m in modes) and len({data[f"nll_{m}"] for m in modes}) == 6
+    # The script rescores the held-out split with the saved composer: the cold start's own last validation figure.
+    assert abs(data["nll_learned"] - data["val_nll_logged"]) < 1e-3
+    assert data["latent_task_spread_before"] > 0 and data["latent_task_spread"] > 0

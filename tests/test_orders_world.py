@@ -95,6 +95,7 @@ def test_base_policy_examples_with_references_imitate_the_clean_oracle():
     plain = _examples(tok, tasks, random.Random(1), noise=1.0, reference_fraction=0.0)
     framed = _examples(tok, tasks, random.Random(1), noise=1.0, reference_fraction=1.0, max_references=2)
     clean = random.Random(0)
+    kinds = {t.instruction: t.data["kind"] for t in tasks}
     n_framed = 0
     for task, (ids, mask), (pids, pmask) in zip(tasks, framed, plain):
         text = tok.decode(ids)
@@ -104,7 +105,6 @@ def test_base_policy_examples_with_references_imitate_the_clean_oracle():
         refs = text.split(FRAMING_BEFORE.strip())[1].split(FRAMING_AFTER.strip())[0]
         assert 1 <= refs.count("Reference ") <= 2
         assert f"Task: {task.instruction}\n" not in refs  # never its own task
-        kinds = {t.instruction: t.data["kind"] for t in tasks}
         for line in refs.splitlines():
             if line.startswith("Task: "):
                 assert kinds[line[len("Task: "):]] == task.data["kind"]
