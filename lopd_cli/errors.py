@@ -6,3 +6,8 @@ class LopdError(Exception):
 
     The CLI prints `error: <message>` and exits non-zero; `--debug` shows the traceback.
     """
+
+
+class LopdWarning(UserWarning):
+    """A setting that works but costs the user something they may not expect (the CLI prints it
+    as one line `warning: …`)."""

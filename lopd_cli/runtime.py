@@ -22,3 +22,35 @@ def setup_torch() -> None:
     n = int(threads) if threads else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, n))
     _DONE = True
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether torch has a fast bf16 matmul on this CPU (oneDNN with AVX512 or AMX).
+
+    Without one (e.g. AVX2-only CPUs) bf16 matmuls take ATen's generic loop: on the 2-core AVX2
+    EPYC this project was built on, a 576×1536 linear over 2,048 tokens took 7× longer forward and
+    17× longer backward under bf16 autocast than in fp32 (`benchmarks/RESULTS.md`, "bf16 on CPU")."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # private op; absent in some builds
+        return False
+
+
+def slow_bf16_message(setting: str, device: str, fast_bf16: bool) -> str | None:
+    """The warning for a bf16 `setting` on `device`, or None when bf16 is fast there."""
+    if not device.startswith("cpu") or fast_bf16:
+        return None
+    return (f"{setting}: this CPU has no fast bf16 matmul (no AVX512/AMX), so bf16 runs several times "
+            "slower than float32 here; use float32 (model.dtype: float32, model.autocast_bf16: false)")
+
+
+def warn_if_slow_bf16(setting: str, device: str) -> None:
+    import warnings
+
+    from lopd_cli.errors import LopdWarning
+
+    msg = slow_bf16_message(setting, device, cpu_has_fast_bf16())
+    if msg:
+        warnings.warn(msg, LopdWarning, stacklevel=2)

@@ -156,3 +156,22 @@ def test_coldstart_nll_quick(tmp_path):
     # The script rescores the held-out split with the saved composer: the cold start's own last validation figure.
     assert abs(data["nll_learned"] - data["val_nll_logged"]) < 1e-3
     assert data["latent_task_spread_before"] > 0 and data["latent_task_spread"] > 0
+
+
+def test_bf16_cpu_quick(tmp_path):
+    from lopd_cli.runtime import cpu_has_fast_bf16
+
+    out = tmp_path / "bf16.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bf16_cpu.py"), "--quick", "--repeats", "2",
+                          "--json-out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["fast_bf16"] == cpu_has_fast_bf16()
+    lin = data["linear_2048x576x1536"]
+    assert lin["tokens"] == 512
+    assert all(lin[k] > 0 for k in ("fp32_fwd_s", "fp32_fwd_bwd_s", "bf16_autocast_fwd_s", "bf16_autocast_fwd_bwd_s"))
+    assert set(data["slowdown_bf16_over_fp32"]) == {"linear_fwd", "linear_fwd_bwd", "tiny_forward"}
+    if not data["fast_bf16"]:
+        # the premise of lopd's bf16 warning: without a fast bf16 path, bf16 training is slower
+        assert data["slowdown_bf16_over_fp32"]["linear_fwd_bwd"] > 1.5

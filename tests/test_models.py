@@ -85,3 +85,41 @@ def test_build_once_leaves_nothing_behind_when_a_build_fails(tmp_path):
     assert (out / "config.json").exists() and len(calls) == 1
     build_once(tmp_path / "m", lambda d: calls.append(d))
     assert len(calls) == 1, "a finished build is reused"
+
+
+def test_bf16_warning_only_on_a_cpu_without_fast_bf16():
+    from lopd_cli.runtime import slow_bf16_message
+
+    msg = slow_bf16_message("model.dtype=bfloat16", "cpu", fast_bf16=False)
+    assert msg is not None and msg.startswith("model.dtype=bfloat16:") and "\n" not in msg
+    assert slow_bf16_message("model.dtype=bfloat16", "cpu", fast_bf16=True) is None
+    assert slow_bf16_message("model.autocast_bf16=true", "cuda", fast_bf16=False) is None
+    assert slow_bf16_message("model.autocast_bf16=true", "cuda:0", fast_bf16=False) is None
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_loading_bf16_warns_when_bf16_is_slow_here(monkeypatch, fast):
+    import warnings
+
+    from lopd_cli import runtime
+    from lopd_cli.errors import LopdWarning
+
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: fast)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model, _ = load_backbone("tiny", "bfloat16", "cpu")
+    ours = [w for w in seen if issubclass(w.category, LopdWarning)]
+    assert model.dtype == torch.bfloat16
+    assert len(ours) == (0 if fast else 1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        load_backbone("tiny", "float32", "cpu")
+    assert not [w for w in seen if issubclass(w.category, LopdWarning)]
+
+
+def test_cli_prints_our_warnings_as_one_line(capsys):
+    from lopd_cli.cli.main import _show_warning
+    from lopd_cli.errors import LopdWarning
+
+    _show_warning(LopdWarning("model.dtype=bfloat16: slow here"), LopdWarning, "x.py", 1)
+    assert capsys.readouterr().err == "warning: model.dtype=bfloat16: slow here\n"

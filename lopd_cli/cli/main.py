@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 
 import typer
 
 from lopd_cli import __version__
-from lopd_cli.errors import LopdError
+from lopd_cli.errors import LopdError, LopdWarning
 
 app = typer.Typer(
     name="lopd",
@@ -57,8 +58,19 @@ for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    if issubclass(category, LopdWarning):
+        typer.echo(f"warning: {message}", err=True)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
+_default_showwarning = warnings.showwarning
+
+
 def run(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.showwarning = _show_warning
     debug = "--debug" in argv or os.environ.get("LOPD_DEBUG") == "1"
     try:
         app(args=argv, prog_name="lopd", standalone_mode=False)

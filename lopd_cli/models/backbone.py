@@ -74,7 +74,12 @@ def load_backbone(spec: str, dtype: str = "float32", device: str = "auto", searc
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, DTYPES[dtype]))
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
         model.resize_token_embeddings(len(tokenizer))
-    model.to(pick_device(device))
+    device = pick_device(device)
+    if dtype == "bfloat16":
+        from lopd_cli.runtime import warn_if_slow_bf16
+
+        warn_if_slow_bf16("model.dtype=bfloat16", device)
+    model.to(device)
     model.eval()
     return model, tokenizer
 

@@ -37,6 +37,7 @@ from lopd_cli.errors import LopdError
 from lopd_cli.models import adapters as ad
 from lopd_cli.models.backbone import load_backbone, resolve_backbone
 from lopd_cli.project import Project
+from lopd_cli.runtime import warn_if_slow_bf16
 from lopd_cli.train import checkpoint as ckpt
 from lopd_cli.train import distributed as dist
 from lopd_cli.train.batch import BatchTotals, batch_totals
@@ -140,6 +141,8 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
     seed_everything(t.seed)
     search = [recipe.base_dir, project.root]
     model, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device, search)
+    if recipe.model.autocast_bf16:
+        warn_if_slow_bf16("model.autocast_bf16=true", str(next(model.parameters()).device))
     model = ad.attach_adapters(model, recipe)
     trainable = [ad.BASE if recipe.model.student == "full" else ad.STUDENT]
     if t.algo == "lopd" and not t.freeze_composer:
