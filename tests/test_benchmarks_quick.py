@@ -175,3 +175,20 @@ def test_bf16_cpu_quick(tmp_path):
     if not data["fast_bf16"]:
         # the premise of lopd's bf16 warning: without a fast bf16 path, bf16 training is slower
         assert data["slowdown_bf16_over_fp32"]["linear_fwd_bwd"] > 1.5
+
+
+@pytest.mark.slow
+def test_real_model_bfcl_quick(tmp_path):
+    pytest.importorskip("bfcl_eval")
+    out = tmp_path / "bfcl.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_model_bfcl.py"), "--quick",
+                          "--work", str(tmp_path / "w"), "--json-out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["bank"]["records"] == data["bank"]["reward_1"] > 0  # every reference answer passes the checker
+    assert data["train"]["steps"] == 1 and data["train"]["rollouts_total"] == 2
+    labels = [m["label"] for m in data["eval"]["models"]]
+    assert labels[0].startswith("backbone") and labels[1].startswith("lopd/step_1")
+    assert all(m["n"] == 4 and m["errors"] == 0 for m in data["eval"]["models"])

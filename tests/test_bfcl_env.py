@@ -137,3 +137,22 @@ def test_bad_configuration_is_a_lopd_error():
         BfclEnv(categories=["simple_cobol"])
     with pytest.raises(LopdError, match="split_fractions"):
         BfclEnv(split_fractions=[0.5, 0.5, 0.5])
+
+
+def test_ground_truth_records_score_one_and_are_valid_rollout_records():
+    from lopd_cli.bank.records import parse_record
+    from lopd_cli.envs.bfcl import ground_truth_records
+
+    env = BfclEnv(categories=["simple_python", "parallel", "irrelevance", "multi_turn_base"], n_per_category=4)
+    tasks = env.tasks("train")
+    records = ground_truth_records(tasks, env)
+    assert len(records) == 12  # the 4 multi-turn tasks are left out
+    assert all(r["reward"] == 1.0 for r in records), [(r["task_id"], r["reward"]) for r in records]
+    for r in records:
+        answer = next(m for m in r["messages"] if m["role"] == "assistant")
+        results = [m for m in r["messages"] if m["role"] == "tool"]
+        if r["meta"]["category"] == "irrelevance":
+            assert "tool_calls" not in answer and not results
+        else:
+            assert len(answer["tool_calls"]) == len(results) >= (2 if r["meta"]["category"] == "parallel" else 1)
+        parse_record(json.loads(json.dumps(r)))  # the format `lopd bank add-rollouts` accepts

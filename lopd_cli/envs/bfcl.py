@@ -379,3 +379,32 @@ def ground_truth_calls(task: Task) -> list[list[tuple[str, dict[str, Any]]]]:
         args = {k: v for k, v in ((k, _pick(o)) for k, o in params.items()) if v is not _OMIT}
         calls.append((name.replace(".", "_"), args))
     return [calls]
+
+
+IRRELEVANCE_ANSWER = "None of the given functions can do this, so I will not call any."
+
+
+def ground_truth_records(tasks: list[Task], env: "BfclEnv | None" = None) -> list[dict]:
+    """Single-turn tasks answered with their reference calls, scored by the official checker, as
+    rollout records (the JSONL `lopd bank add-rollouts` reads). They seed a bank when the agent
+    itself never succeeds yet (a small model that scores 0 %): the teacher then reads how the
+    references were solved. Multi-turn tasks are left out (their answers depend on state)."""
+    env = env or BfclEnv()
+    records = []
+    for task in tasks:
+        if task.data["multi_turn"]:
+            continue
+        messages = env.reset(task)
+        calls = ground_truth_calls(task)[0]
+        if calls:
+            ids = [f"call_{i}" for i in range(len(calls))]
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+                for i, (n, a) in zip(ids, calls)]})
+            messages += [{"role": "tool", "tool_call_id": i, "content": json.dumps({"status": "recorded"})} for i in ids]
+        else:
+            messages.append({"role": "assistant", "content": IRRELEVANCE_ANSWER})
+        records.append({"task_id": task.id, "instruction": task.instruction, "messages": messages,
+                        "reward": env.reward(messages), "tools": task.tools,
+                        "meta": {"env": "bfcl", "agent": "ground_truth", "category": task.data["category"]}})
+    return records
