@@ -87,8 +87,10 @@ def main(argv: list[str] | None = None) -> dict:
     bank = write_bank_records(bank_file, a.categories, a.bank_per_category)
     lopd(["bank", "add-rollouts", str(bank_file), "--recipe", "bfcl"], cwd=work)
     lopd(["bank", "index", "--recipe", "bfcl"], cwd=work)
+    # anchor_cache_tasks=0: training fills the anchor latents c_φ0 for the tasks it meets; filling
+    # 128 up front took longer than this whole cold start on SmolLM2 on a CPU (RESULTS.md).
     lopd(["coldstart", *common, "--set", f"coldstart.steps={a.coldstart_steps}",
-          "--set", "coldstart.batch_size=4"], cwd=work)
+          "--set", "coldstart.batch_size=4", "--set", "coldstart.anchor_cache_tasks=0"], cwd=work)
     train = lopd(["train", *common, "--set", f"train.steps={a.train_steps}", "--set", f"train.save_every={a.train_steps}",
                   "--set", f"rollout.rollouts_per_step={a.rollouts_per_step}",
                   "--set", f"rollout.batch_size={a.rollouts_per_step}", "--set", "train.micro_batch=2",
