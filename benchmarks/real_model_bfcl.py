@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+BANK_FILE = "ground_truth.jsonl"  # also marks a --work folder as this script's
 
 
 def lopd(args: list[str], cwd: Path) -> dict | None:
@@ -78,12 +81,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     t0 = time.perf_counter()
     work = a.work
+    if work.exists():  # a fresh project each time: `init --force` would keep the old bank and runs
+        if not (work / BANK_FILE).is_file():
+            raise SystemExit(f"--work {work}: exists and was not made by this script; choose another folder")
+        shutil.rmtree(work)
     lopd(["init", str(work), "--example", "bfcl", "--model", a.model, "--force"], cwd=REPO)
     cats = "[" + ", ".join(a.categories) + "]"
     common = ["--recipe", "bfcl", "--set", f"env.kwargs.categories={cats}"]
     for s in a.set:
         common += ["--set", s]
-    bank_file = work / "ground_truth.jsonl"
+    bank_file = work / BANK_FILE
     bank = write_bank_records(bank_file, a.categories, a.bank_per_category)
     lopd(["bank", "add-rollouts", str(bank_file), "--recipe", "bfcl"], cwd=work)
     lopd(["bank", "index", "--recipe", "bfcl"], cwd=work)

@@ -28,8 +28,9 @@ def cpu_has_fast_bf16() -> bool:
     """Whether torch has a fast bf16 matmul on this CPU (oneDNN with AVX512 or AMX).
 
     Without one (e.g. AVX2-only CPUs) bf16 matmuls take ATen's generic loop: on the 2-core AVX2
-    EPYC this project was built on, a 576×1536 linear over 2,048 tokens took 7× longer forward and
-    17× longer backward under bf16 autocast than in fp32 (`benchmarks/RESULTS.md`, "bf16 on CPU")."""
+    EPYC this project was built on, a 576×1536 linear over 2,048 tokens took 9× longer forward and
+    18× longer forward + backward under bf16 autocast than in fp32 (`benchmarks/RESULTS.md`,
+    "bf16 on CPU")."""
     import torch
 
     try:

@@ -116,10 +116,3 @@ def test_loading_bf16_warns_when_bf16_is_slow_here(monkeypatch, fast):
         load_backbone("tiny", "float32", "cpu")
     assert not [w for w in seen if issubclass(w.category, LopdWarning)]
 
-
-def test_cli_prints_our_warnings_as_one_line(capsys):
-    from lopd_cli.cli.main import _show_warning
-    from lopd_cli.errors import LopdWarning
-
-    _show_warning(LopdWarning("model.dtype=bfloat16: slow here"), LopdWarning, "x.py", 1)
-    assert capsys.readouterr().err == "warning: model.dtype=bfloat16: slow here\n"

@@ -77,3 +77,23 @@ def test_smollm2_rollout_writes_records_the_bank_accepts(lopd, project):
     s = json.loads(r.out)
     assert s["episodes"] == 2 and s["errors"] == 0
     assert lopd("bank", "add-rollouts", s["out"], "--min-reward", "0", cwd=project).code == 0
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_bf16_where_it_is_slow_prints_one_warning_line(lopd, project, monkeypatch, fast):
+    import warnings
+
+    from lopd_cli import runtime
+    from lopd_cli.errors import LopdWarning
+
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: fast)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", LopdWarning)  # not "once per process": each case must show it
+        r = lopd("rollout", "--recipe", "toolcall", "-n", "1", "--set", "model.dtype=bfloat16",
+                 "--set", "rollout.max_new_tokens=4", "--json", cwd=project)
+    assert r.code == 0, r
+    ours = [line for line in r.err.splitlines() if "bfloat16" in line]
+    if fast:
+        assert ours == []
+    else:
+        assert len(ours) == 1 and ours[0].startswith("warning: model.dtype=bfloat16: this CPU has no fast bf16")
