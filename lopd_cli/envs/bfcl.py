@@ -38,7 +38,7 @@ import uuid
 from functools import lru_cache
 from typing import Any
 
-from lopd_cli.agent.toolcalls import parse_tool_calls
+from lopd_cli.agent.toolcalls import parse_tool_calls, to_openai_tool_calls
 from lopd_cli.agent.types import Task, ToolCall
 from lopd_cli.envs import _bfcl_shim
 from lopd_cli.errors import LopdError
@@ -395,13 +395,10 @@ def ground_truth_records(tasks: list[Task], env: "BfclEnv | None" = None) -> lis
         if task.data["multi_turn"]:
             continue
         messages = env.reset(task)
-        calls = ground_truth_calls(task)[0]
-        if calls:
-            ids = [f"call_{i}" for i in range(len(calls))]
-            messages.append({"role": "assistant", "content": "", "tool_calls": [
-                {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
-                for i, (n, a) in zip(ids, calls)]})
-            messages += [{"role": "tool", "tool_call_id": i, "content": json.dumps({"status": "recorded"})} for i in ids]
+        calls = [ToolCall(name, args, f"call_{i}") for i, (name, args) in enumerate(ground_truth_calls(task)[0])]
+        if calls:  # what the runner records: the calls, then each one's result
+            messages.append({"role": "assistant", "content": "", "tool_calls": to_openai_tool_calls(calls)})
+            messages += [{"role": "tool", "tool_call_id": c.id, "name": c.name, "content": env.step(c)} for c in calls]
         else:
             messages.append({"role": "assistant", "content": IRRELEVANCE_ANSWER})
         records.append({"task_id": task.id, "instruction": task.instruction, "messages": messages,
