@@ -24,6 +24,44 @@ def setup_torch() -> None:
     _DONE = True
 
 
+_QUIET_ENV = "TRANSFORMERS_VERBOSITY"
+
+
+def quiet_libraries(debug: bool) -> None:
+    """Libraries' logging and progress bars (transformers' "Loading weights" and "Writing model
+    shards", its deprecation notes, hub downloads) off, or back on with --debug.
+
+    transformers reads TRANSFORMERS_VERBOSITY when it first configures its logger; when it is
+    already imported (in-process callers, tests) its setters are called instead.
+    """
+    import logging
+
+    logging.getLogger().setLevel(logging.WARNING if debug else logging.ERROR)
+    try:
+        from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+        (enable_progress_bars if debug else disable_progress_bars)()
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        pass
+    if debug:
+        if os.environ.get(_QUIET_ENV) == "error" and os.environ.get("LOPD_SET_VERBOSITY"):
+            del os.environ[_QUIET_ENV]
+    elif _QUIET_ENV not in os.environ:
+        os.environ[_QUIET_ENV] = "error"
+        os.environ["LOPD_SET_VERBOSITY"] = "1"
+    import sys
+
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        if debug:
+            hf_logging.set_verbosity_warning()
+            hf_logging.enable_progress_bar()
+        else:
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+
+
 def cpu_has_fast_bf16() -> bool:
     """Whether torch has a fast bf16 matmul on this CPU (oneDNN with AVX512 or AMX).
 

@@ -9,14 +9,6 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -41,15 +33,9 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def progress(transient: bool = False) -> Progress:
-    """A rich progress bar with rate and ETA; quiet when stdout is not a terminal."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=transient,
-    )
+def progress(transient: bool = False) -> Any:
+    """Progress with rate and ETA, for `with`: a rich bar when stderr is a terminal, otherwise
+    one plain line per task every few seconds (lopd_cli/progress.py)."""
+    from lopd_cli.progress import make_progress
+
+    return make_progress(transient)

@@ -12,9 +12,29 @@ import sys
 import warnings
 
 import typer
+from typer.core import TyperGroup
 
 from lopd_cli import __version__
 from lopd_cli.errors import LopdError, LopdWarning
+
+# `lopd --help` lists the commands in pipeline order, in these panels.
+HELP_PANELS: dict[str, list[str]] = {
+    "Project": ["init", "models", "recipe", "demo"],
+    "Experience": ["rollout", "bank"],
+    "Training": ["coldstart", "train"],
+    "Results": ["eval", "export", "report"],
+}
+HELP_ORDER = [name for names in HELP_PANELS.values() for name in names]
+
+
+class PipelineOrder(TyperGroup):
+    """Commands (and groups such as `bank`) in HELP_ORDER; anything unlisted goes last."""
+
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        rank = {n: i for i, n in enumerate(HELP_ORDER)}
+        return sorted(names, key=lambda n: rank.get(n, len(rank)))
+
 
 app = typer.Typer(
     name="lopd",
@@ -22,9 +42,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=PipelineOrder,
 )
 
-# Each module defines register(app). Order = order in `lopd --help`.
+# Each module defines register(app); HELP_PANELS sets the order in `lopd --help`.
 COMMAND_MODULES = [
     "lopd_cli.cli.demo_cmds",
     "lopd_cli.cli.setup_cmds",
@@ -58,22 +79,50 @@ for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app)
 
 
+def _set_help_panels(typer_app: typer.Typer) -> None:
+    panel_of = {name: panel for panel, names in HELP_PANELS.items() for name in names}
+    for info in list(typer_app.registered_commands) + list(typer_app.registered_groups):
+        name = info.name or (info.callback.__name__.replace("_", "-") if info.callback else None)
+        if name is None and getattr(info, "typer_instance", None) is not None:
+            name = info.typer_instance.info.name
+        if name in panel_of:
+            info.rich_help_panel = panel_of[name]
+
+
+_set_help_panels(app)
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     if issubclass(category, LopdWarning):
         typer.echo(f"warning: {message}", err=True)
-    else:
+    elif _SHOW_THIRD_PARTY[0]:
         _default_showwarning(message, category, filename, lineno, file, line)
+    # else: a library's warning (transformers' FutureWarnings, ...): shown with --debug only
 
 
 _default_showwarning = warnings.showwarning
+_SHOW_THIRD_PARTY = [False]
+
+
+def _command_label(argv: list[str]) -> str:
+    words = [a for a in argv if not a.startswith("-")][:2]
+    if words[:1] == ["bank"] or words[:1] == ["recipe"]:
+        return "lopd " + " ".join(words)
+    return "lopd " + (words[0] if words else "")
 
 
 def run(argv: list[str] | None = None) -> None:
+    from lopd_cli.progress import heartbeat
+    from lopd_cli.runtime import quiet_libraries
+
     argv = list(sys.argv[1:] if argv is None else argv)
     warnings.showwarning = _show_warning
     debug = "--debug" in argv or os.environ.get("LOPD_DEBUG") == "1"
+    _SHOW_THIRD_PARTY[0] = debug
+    quiet_libraries(debug)
     try:
-        app(args=argv, prog_name="lopd", standalone_mode=False)
+        with heartbeat(_command_label(argv)):
+            app(args=argv, prog_name="lopd", standalone_mode=False)
     except LopdError as e:
         if debug:
             raise
