@@ -67,7 +67,34 @@ def load_env_class(spec: str, base_dir: Path | None = None) -> type:
     missing = [m for m in ENV_METHODS if not callable(getattr(obj, m, None))]
     if missing:
         raise LopdError(f"env.class '{spec}': not an environment (missing {', '.join(missing)})")
-    return obj
+    return checked_env_class(obj, f"env.class '{spec}'")
+
+
+def checked_env_class(cls: type, source: str) -> type:
+    """A subclass of a plugin's environment class that holds its results to the protocol.
+
+    tasks() may return `Task`s or mappings with the same keys (turned into Tasks; the plugin's
+    reset() and reward get its own mapping back); a wrong return type of tasks(), reset() or
+    step() raises a one-line LopdError naming the plugin, the method, what it returned and what
+    is expected. A subclass (not a wrapper) keeps isinstance, class attributes and `name`.
+    """
+    from lopd_cli.agent.env import check_messages, check_observation, coerce_tasks, plugin_view
+
+    if getattr(cls, "_lopd_checked", False):
+        return cls
+
+    def tasks(self, split: str):
+        return coerce_tasks(cls.tasks(self, split), split, source)
+
+    def reset(self, task):
+        return check_messages(cls.reset(self, plugin_view(task)), source)
+
+    def step(self, call):
+        return check_observation(cls.step(self, call), source, call)
+
+    body = {"tasks": tasks, "reset": reset, "step": step, "_lopd_checked": True,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    return type(cls.__name__, (cls,), body)
 
 
 def load_reward_fn(spec: str, base_dir: Path | None = None) -> Callable[..., float]:

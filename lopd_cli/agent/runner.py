@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lopd_cli.agent.chat import observation_ids, render_prompt_ids, stop_token_ids
-from lopd_cli.agent.env import env_done
+from lopd_cli.agent.env import coerce_tasks, env_done, plugin_view
 from lopd_cli.agent.toolcalls import call_key, parse_tool_calls, to_openai_tool_calls
 from lopd_cli.agent.types import Episode, Task, ToolCall
 from lopd_cli.config import Recipe, RolloutSection
@@ -326,7 +326,7 @@ def load_reward(recipe: Recipe) -> Callable[[Task, list[dict]], float] | None:
     fn = load_reward_fn(recipe.reward, recipe.base_dir)
 
     def score(task: Task, transcript: list[dict]) -> float:
-        return fn(task, transcript)
+        return fn(plugin_view(task), transcript)
 
     score.lopd_spec = recipe.reward  # type: ignore[attr-defined]
     return score
@@ -334,12 +334,15 @@ def load_reward(recipe: Recipe) -> Callable[[Task, list[dict]], float] | None:
 
 def select_tasks(env_factory: Callable[[], Any], split: str, n: int | None) -> list[Task]:
     """The first n tasks of a split, cycling through it when n exceeds its size."""
+    env = env_factory()
     try:
-        tasks = list(env_factory().tasks(split))
+        returned = env.tasks(split)
     except LopdError:
         raise
     except Exception as e:  # noqa: BLE001
         raise LopdError(f"env.tasks('{split}') failed: {e.__class__.__name__}: {e}") from e
+    # Envs from load_env_class are checked already; this covers factories built by hand.
+    tasks = coerce_tasks(returned, split, f"env {type(env).__name__}")
     if not tasks:
         raise LopdError(f"the environment has no tasks in split '{split}'")
     if n is None:

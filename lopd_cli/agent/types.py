@@ -13,6 +13,8 @@ class Task:
     tools: list[dict]  # OpenAI function schemas: {"type": "function", "function": {...}}
     data: dict[str, Any] = field(default_factory=dict)  # env-specific (seed, expected state …)
     split: str = "train"
+    # The mapping a plugin's tasks() returned, when it returned one (see agent/env.coerce_task).
+    raw: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass
