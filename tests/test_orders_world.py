@@ -115,3 +115,107 @@ def test_base_policy_examples_with_references_imitate_the_clean_oracle():
         assert FRAMING_BEFORE.strip() not in tok.decode(pids)
         assert [t for t, m in zip(pids, pmask) if m] != [t for t, m in zip(want, want_mask) if m]
     assert n_framed >= len(tasks) // 2
+
+
+# ---------------------------------------------------------------- house rules
+
+from lopd_cli.envs.orders import (  # noqa: E402
+    POLICY_ERROR, REFUND_REASONS, SIGN_OFFS, STORES, make_task, store_rules)
+
+
+@pytest.fixture(scope="module")
+def ruled():
+    env = OrdersEnv(house_rules=True)
+    return {s: env.tasks(s) for s in ("train", "validation", "test")}
+
+
+def solve_ruled(task, calls=None, answer=None):
+    env = OrdersEnv(house_rules=True)
+    messages = env.reset(task)
+    plan, oracle_answer = oracle_plan(task)
+    outs = [env.step(c) for c in (plan if calls is None else calls)]
+    messages.append({"role": "assistant", "content": oracle_answer if answer is None else answer})
+    return env.reward(messages), env, outs
+
+
+def test_house_rules_off_is_the_plain_world(splits):
+    env = OrdersEnv(house_rules=False, rules_seed=5)
+    assert [(t.instruction, t.data) for t in env.tasks("test")] == [(t.instruction, t.data) for t in splits["test"]]
+
+
+def test_every_task_names_its_store_and_the_rules_are_the_stores(ruled):
+    rules = store_rules(0)
+    for t in ruled["test"] + ruled["train"]:
+        assert t.instruction.startswith(f"[{t.data['store']}] ")
+        assert t.data["rules"] == rules[t.data["store"]]
+    assert {t.data["store"] for t in ruled["test"]} == set(STORES)
+
+
+def test_rules_are_hidden_from_the_prompt_and_the_schemas(ruled):
+    env = OrdersEnv(house_rules=True)
+    for t in ruled["test"]:
+        shown = json.dumps(env.reset(t)) + json.dumps(t.tools)
+        r = t.data["rules"]
+        assert r["refund_reason"] not in shown and r["sign_off"] not in shown
+        assert "get_order before" not in shown and "policy" not in shown.lower()
+    assert not any(x in json.dumps(ruled["test"][0].tools) for x in REFUND_REASONS + SIGN_OFFS)
+
+
+def test_the_oracle_scores_one_on_every_test_task_with_rules_on(ruled):
+    for t in ruled["test"]:
+        reward, _, outs = solve_ruled(t)
+        assert reward == 1.0 and not any("error" in json.loads(o) for o in outs), t.instruction
+
+
+def test_a_rule_ignorant_policy_scores_clearly_lower(splits, ruled):
+    """The plain world's oracle (right calls and facts, no house rules) on the same tasks."""
+    plain = {t.id: t for t in splits["test"]}
+    rewards = [solve_ruled(t, oracle_plan(plain[t.id])[0], oracle_plan(plain[t.id])[1])[0]
+               for t in ruled["test"] if t.id in plain]
+    assert len(rewards) >= 100
+    assert max(rewards) < 1.0 and sum(rewards) / len(rewards) < 0.7
+
+
+def _task_of(ruled, kind, **want):
+    for t in ruled["test"] + ruled["validation"] + ruled["train"]:
+        if t.data["kind"] == kind and all(t.data["rules"][k] == v for k, v in want.items()):
+            return t
+    pytest.skip(f"no {kind} task with {want}")
+
+
+@pytest.mark.parametrize("kind", ["refund", "cancel"])
+def test_verify_first_is_enforced(ruled, kind):
+    t = _task_of(ruled, kind, verify_first=True)
+    plan, answer = oracle_plan(t)
+    assert plan[0].name == "get_order"
+    reward, env, outs = solve_ruled(t, plan[1:], answer)  # skip the look-up
+    assert json.loads(outs[0]) == {"error": POLICY_ERROR}
+    assert env.world.db == t.data["db"] and reward < 1.0  # refused: nothing changed
+
+
+def test_refund_reason_is_enforced(ruled):
+    t = _task_of(ruled, "refund")
+    plan, answer = oracle_plan(t)
+    wrong = next(r for r in REFUND_REASONS if r != t.data["rules"]["refund_reason"])
+    calls = [c if c.name != "refund_order" else ToolCall(c.name, {**c.arguments, "reason": wrong}, c.id) for c in plan]
+    reward, env, outs = solve_ruled(t, calls, answer)
+    assert json.loads(outs[-1]) == {"error": POLICY_ERROR} and reward < 1.0
+    items = dict(checklist(t, env.world.db, answer))
+    assert not all(items.values()) and items["answer follows store policy"]
+
+
+def test_sign_off_is_enforced(ruled):
+    t = _task_of(ruled, "status")
+    plan, answer = oracle_plan(t)
+    sign_off = t.data["rules"]["sign_off"]
+    assert answer.endswith(sign_off)
+    reward, env, _ = solve_ruled(t, plan, answer[: -len(sign_off)].strip())
+    assert reward < 1.0 and dict(checklist(t, env.world.db, answer[: -len(sign_off)]))["answer follows store policy"] is False
+
+
+def test_a_new_rules_seed_gives_different_rules(ruled):
+    assert store_rules(0) == store_rules(0)
+    assert all(store_rules(s) != store_rules(0) for s in range(1, 20))
+    t = ruled["test"][0]
+    other = make_task(t.data["seed"], "test", rules_seed=7)
+    assert other.instruction == t.instruction and other.data["rules"] == store_rules(7)[t.data["store"]]

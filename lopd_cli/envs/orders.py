@@ -9,6 +9,18 @@ Reward, like EnvScaler's checklists: the fraction of checklist items that hold a
 each intended database change, "nothing else changed", and facts the final answer must state.
 `oracle_plan(task)` is the scripted policy that solves every task (tests, the tiny base policy).
 
+House rules (`house_rules=True`, on in the packaged recipes and the demo): every task belongs
+to one of `STORES`, named in its instruction, and each store has fixed procedures that appear
+nowhere in the system prompt or the tool schemas (`store_rules`): the reason code a refund
+needs, whether an order must be looked up with `get_order` before it is cancelled or refunded,
+and the sign-off every final answer ends with. They are drawn from `rules_seed`, the same for
+all of a store's tasks (so a student can learn them), and enforced: a refund or cancellation
+that breaks one fails with the observation "store policy violated" (which rule is not said)
+and changes nothing; a missing sign-off fails its checklist item. This is the kind of reusable
+structure a team's experience holds and its prompt lacks, the case where a teacher that reads
+past successes knows something the student can learn. `house_rules=False` is the plain world
+(identical tasks to earlier versions), where a reference tells nothing the instruction does not.
+
 What it simplifies: the world is a Python dict, not a service; the instructions come from a
 handful of templates, so the variety is in the data, not the language.
 """
@@ -26,7 +38,8 @@ from lopd_cli.errors import LopdError
 
 SYSTEM_PROMPT = "You are a customer-service agent. Use the tools, then answer in one short sentence."
 
-SPLIT_SEED_BASE = {"train": 0, "validation": 1_000_000, "test": 2_000_000}
+SPLIT_SEED_BASE = {"train": 0, "validation": 1_000_000, "test": 2_000_000,
+                   "base": 3_000_000}  # "base": the tiny base policy's own tasks (orders_policy)
 SPLIT_ORDER = ("train", "validation", "test")
 DEFAULT_SIZES = {"train": 512, "validation": 64, "test": 128}
 
@@ -38,6 +51,13 @@ STREETS = ["Oak St", "Elm Rd", "Main St", "Lake Ave", "Hill Rd", "Park Ln", "Mil
 CANCELLABLE = ("pending", "processing")
 REFUNDABLE = ("delivered",)
 TASK_KINDS = ("status", "total", "cancel", "refund", "address", "cancel_mine", "refund_notify")
+
+# House rules: the stores and the values their procedures are drawn from.
+STORES = ("Alder", "Birch", "Cedar", "Maple")
+REFUND_REASONS = ("damaged", "faulty", "return", "goodwill")
+SIGN_OFFS = ("Thanks!", "Cheers!", "Regards.", "Bye now.")
+POLICY_ERROR = "store policy violated"
+RECIPE_RULES_SEED = 0  # the packaged recipes' and the demo's rule set
 
 
 def _fn(name: str, desc: str, **params: str) -> dict:
@@ -57,6 +77,31 @@ TOOLS: list[dict] = [
     _fn("send_message", "Message a customer", customer_id="integer", text="string"),
 ]
 _SCHEMAS = tool_schemas_by_name(TOOLS)
+# With house rules refund_order takes a reason; which reason a store wants is not said anywhere.
+TOOLS_HOUSE_RULES: list[dict] = [
+    t if t["function"]["name"] != "refund_order" else _fn("refund_order", "Refund a delivered order",
+                                                          order_id="integer", reason="string")
+    for t in TOOLS]
+_SCHEMAS_HOUSE_RULES = tool_schemas_by_name(TOOLS_HOUSE_RULES)
+
+
+# ---------------------------------------------------------------- house rules
+
+def store_rules(rules_seed: int) -> dict[str, dict[str, Any]]:
+    """Each store's procedures for `rules_seed`: {store: {"refund_reason", "verify_first", "sign_off"}}."""
+    rng = random.Random(f"orders-house-rules-{rules_seed}")
+    return {store: {"refund_reason": rng.choice(REFUND_REASONS), "verify_first": rng.random() < 0.5,
+                    "sign_off": rng.choice(SIGN_OFFS)} for store in STORES}
+
+
+def random_store_rules(rng: random.Random) -> dict[str, dict[str, Any]]:
+    """A rule set drawn from `rng` rather than a rules seed (the base policy's reading examples)."""
+    return store_rules(rng.randrange(1 << 30))
+
+
+def task_store(seed: int) -> str:
+    """The store a task belongs to (its own stream, so the plain world's tasks stay as they were)."""
+    return random.Random(f"orders-store-{seed}").choice(STORES)
 
 
 # ---------------------------------------------------------------- the world
@@ -137,7 +182,7 @@ class OrdersWorld:
         self.db["payments"][str(order_id)]["status"] = "voided"
         return {"order_id": order_id, "status": "cancelled"}
 
-    def _t_refund_order(self, order_id: int) -> dict:
+    def _t_refund_order(self, order_id: int, reason: str = "") -> dict:
         o = self._order(order_id)
         if o["status"] not in REFUNDABLE:
             raise ValueError(f"order {order_id} is {o['status']} and cannot be refunded")
@@ -226,34 +271,54 @@ def _build_task(kind: str, rng: random.Random, db: dict) -> dict | None:
     raise ValueError(kind)
 
 
-def make_task(seed: int, split: str) -> Task | None:
+def apply_rules(spec: dict, rules: dict[str, Any]) -> dict:
+    """The oracle's plan and answer for a task under its store's rules."""
+    plan = []
+    for name, args in spec["plan"]:
+        if name in ("cancel_order", "refund_order") and rules["verify_first"]:
+            plan.append(("get_order", {"order_id": args["order_id"]}))
+        if name == "refund_order":
+            args = {**args, "reason": rules["refund_reason"]}
+        plan.append((name, args))
+    return {**spec, "plan": plan, "answer": f"{spec['answer']} {rules['sign_off']}"}
+
+
+def make_task(seed: int, split: str, rules_seed: int | None = None,
+              rules: dict[str, dict[str, Any]] | None = None) -> Task | None:
+    """The task of `seed`; with `rules_seed` (or an explicit {store: rules}), under house rules."""
     rng = random.Random(seed)
     db = _make_db(rng)
     kind = TASK_KINDS[seed % len(TASK_KINDS)]
     spec = _build_task(kind, rng, db)
     if spec is None:
         return None
+    data: dict[str, Any] = {"seed": seed, "kind": kind}
+    if rules_seed is not None or rules is not None:
+        store = task_store(seed)
+        mine = (rules if rules is not None else store_rules(rules_seed))[store]
+        spec = apply_rules({**spec, "instruction": f"[{store}] {spec['instruction']}"}, mine)
+        data.update(store=store, rules=mine, rules_seed=rules_seed)
     world = OrdersWorld(db)
     for name, args in spec["plan"]:
         world.call(name, args)
     return Task(
         id=f"orders-{split}-{seed - SPLIT_SEED_BASE[split]:05d}",
         instruction=spec["instruction"],
-        tools=TOOLS,
-        data={"seed": seed, "kind": kind, "db": db, "expected_db": world.db,
+        tools=TOOLS if "rules" not in data else TOOLS_HOUSE_RULES,
+        data={**data, "db": db, "expected_db": world.db,
               "plan": [{"name": n, "arguments": a} for n, a in spec["plan"]],
               "answer": spec["answer"], "facts": spec["facts"]},
         split=split,
     )
 
 
-def generate_tasks(split: str, n: int, exclude: set[str] = frozenset()) -> list[Task]:
+def generate_tasks(split: str, n: int, exclude: set[str] = frozenset(), rules_seed: int | None = None) -> list[Task]:
     if split not in SPLIT_SEED_BASE:
         raise LopdError(f"orders: unknown split '{split}' (train, validation or test)")
     tasks, seen = [], set(exclude)
     seed = SPLIT_SEED_BASE[split]
     while len(tasks) < n:
-        t = make_task(seed, split)
+        t = make_task(seed, split, rules_seed)
         seed += 1
         if t is not None and task_fingerprint(t) not in seen:
             seen.add(task_fingerprint(t))
@@ -297,6 +362,8 @@ def checklist(task: Task, db: dict, answer: str) -> list[tuple[str, bool]]:
     low = answer.lower()
     for fact in task.data["facts"]:
         items.append((f"answer states {fact}", str(fact).lower() in low))
+    if "rules" in task.data:
+        items.append(("answer follows store policy", task.data["rules"]["sign_off"].lower() in low))
     return items
 
 
@@ -307,40 +374,60 @@ def checklist_reward(task: Task, db: dict, transcript: list[dict]) -> float:
 
 # ---------------------------------------------------------------- the environment
 
+def breaks_store_policy(rules: dict[str, Any], call: ToolCall, looked_up: set[int]) -> bool:
+    """Whether `call` breaks one of the store's procedures (checked before the tool runs)."""
+    if call.name not in ("cancel_order", "refund_order"):
+        return False
+    if rules["verify_first"] and call.arguments.get("order_id") not in looked_up:
+        return True
+    return call.name == "refund_order" and str(call.arguments.get("reason", "")).strip().lower() != rules["refund_reason"]
+
+
 class OrdersEnv:
     """The orders world as an Environment (one instance per live episode)."""
 
     name = "orders"
 
     def __init__(self, n_train: int = DEFAULT_SIZES["train"], n_validation: int = DEFAULT_SIZES["validation"],
-                 n_test: int = DEFAULT_SIZES["test"], system_prompt: str = SYSTEM_PROMPT):
+                 n_test: int = DEFAULT_SIZES["test"], system_prompt: str = SYSTEM_PROMPT,
+                 house_rules: bool = False, rules_seed: int = RECIPE_RULES_SEED):
         self.sizes = {"train": n_train, "validation": n_validation, "test": n_test}
         self.system_prompt = system_prompt
+        self.rules_seed = rules_seed if house_rules else None
         self.task: Task | None = None
         self.world: OrdersWorld | None = None
+        self.looked_up: set[int] = set()  # orders read with get_order this episode (verify_first)
 
     def tasks(self, split: str) -> list[Task]:
         if split not in self.sizes:
             raise LopdError(f"orders: unknown split '{split}' (train, validation or test)")
         seen: set[str] = set()
         for earlier in SPLIT_ORDER[: SPLIT_ORDER.index(split)]:
-            seen |= {task_fingerprint(t) for t in generate_tasks(earlier, self.sizes[earlier], seen)}
-        return generate_tasks(split, self.sizes[split], seen)
+            seen |= {task_fingerprint(t) for t in generate_tasks(earlier, self.sizes[earlier], seen, self.rules_seed)}
+        return generate_tasks(split, self.sizes[split], seen, self.rules_seed)
 
     def reset(self, task: Task) -> list[dict]:
         self.task = task
         self.world = OrdersWorld(task.data["db"])
+        self.looked_up = set()
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.instruction}]
 
     def step(self, call: ToolCall) -> str:
-        assert self.world is not None, "reset() first"
-        problem = check_arguments(_SCHEMAS[call.name], call.arguments) if call.name in _SCHEMAS else f"unknown tool '{call.name}'"
+        assert self.world is not None and self.task is not None, "reset() first"
+        rules = self.task.data.get("rules")
+        schemas = _SCHEMAS if rules is None else _SCHEMAS_HOUSE_RULES
+        problem = check_arguments(schemas[call.name], call.arguments) if call.name in schemas else f"unknown tool '{call.name}'"
         if problem:
             return _compact({"error": problem})
+        if rules is not None and breaks_store_policy(rules, call, self.looked_up):
+            return _compact({"error": POLICY_ERROR})
         try:
-            return self.world.call(call.name, call.arguments)
+            out = self.world.call(call.name, call.arguments)
         except (KeyError, ValueError) as e:
             return _compact({"error": str(e).strip("'\"")})
+        if call.name == "get_order":
+            self.looked_up.add(call.arguments["order_id"])
+        return out
 
     def done(self) -> bool:
         return False
