@@ -13,6 +13,10 @@ from hypothesis import strategies as st
 from lopd_cli.train.losses import (
     anchor_loss,
     append_tail,
+    centred_advantages,
+    centred_margin,
+    contrastive_hinge,
+    rewards_have_spread,
     chunked_logprobs,
     chunked_reverse_kl,
     chunked_teacher_topm,
@@ -318,13 +322,16 @@ def test_dual_update_rises_below_margin_and_falls_to_zero_above():
     assert betas[4] == pytest.approx(0.2) and betas[-1] == 0.0 and min(betas) >= 0.0
 
 
-def test_anchor_is_mean_squared_drift_without_gradient_into_reference():
-    c0 = torch.randn(2, 6, 8, requires_grad=True)
-    c = (c0.detach() + 0.5).requires_grad_(True)
+def test_anchor_is_the_squared_norm_summed_per_task_and_averaged_over_tasks():
+    c0 = torch.randn(3, 6, 8, requires_grad=True)
+    c = (c0.detach() + torch.randn(3, 6, 8)).requires_grad_(True)
     a = anchor_loss(c, c0)
-    assert a.item() == pytest.approx(0.25)  # per-element, independent of K and d
+    brute = sum(float(((c[b] - c0[b]).detach().double() ** 2).sum()) for b in range(3)) / 3  # ‖c_b − c0_b‖², mean over b
+    assert a.item() == pytest.approx(brute, rel=1e-6)
+    # one task as a 2-D (K, d) input is its plain squared norm
+    assert anchor_loss(c[0], c0[0]).item() == pytest.approx(float(((c[0] - c0[0]) ** 2).sum()), rel=1e-6)
     a.backward()
-    assert c0.grad is None and torch.allclose(c.grad, torch.full_like(c, 2 * 0.5 / c.numel()))
+    assert c0.grad is None and torch.allclose(c.grad, 2 * (c - c0).detach() / 3)
 
 
 def test_composer_objective_pushes_margin_up_when_beta_positive():
@@ -416,3 +423,113 @@ def test_group_of_equal_rewards_has_exactly_zero_advantage():
     adv = group_advantages(rewards, torch.tensor([0, 0, 0, 1, 1]))
     assert torch.equal(adv[:3], torch.zeros(3))
     assert adv[3] < 0 < adv[4]
+
+
+# ----------------------------------------------------------------- the centred margin (issue 16)
+
+
+def brute_centred_margin(teacher, student, rewards, mask) -> float:
+    """2·(1/n)Σ_b (r_b − r̄)·(mean of δ over b's supervised tokens), over sequences with tokens."""
+    rows = [(float(r), [float(t - s) for t, s, w in zip(tr, sr, mr) if w])
+            for tr, sr, r, mr in zip(teacher.tolist(), student.tolist(), rewards.tolist(), mask.tolist())]
+    rows = [(r, d) for r, d in rows if d]
+    rbar = sum(r for r, _ in rows) / len(rows)
+    return sum(2 * (r - rbar) * sum(d) / len(d) for r, d in rows) / len(rows)
+
+
+@pytest.mark.parametrize("rbar", [0.1, 0.5, 0.9])
+def test_margin_is_zero_when_teacher_equals_student_whatever_rbar(rbar):
+    g = torch.Generator().manual_seed(int(rbar * 10))
+    B, T = 20, 7
+    student = -torch.rand(B, T, generator=g) * 3
+    rewards = (torch.rand(B, generator=g) < rbar).float()
+    rewards[0], rewards[1] = 0.0, 1.0
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[:, 0] = True
+    adv = centred_advantages(rewards, valid=mask.any(1))
+    assert centred_margin(student.clone(), student, adv, mask).item() == 0.0
+    assert privileged_margin(student.clone(), student, rewards, mask).item() == 0.0
+    # A teacher that is uniformly less likely than the student (by c nats on every token, the
+    # shape of −KL(S‖T)) has no privilege: the centred Δ is 0 whatever r̄ and whatever the lengths;
+    # the paper's is not (it is c·(2r̄_tok − 1)·(−1), r̄_tok the token-weighted mean reward).
+    shifted = student - 0.3
+    assert centred_margin(shifted, student, adv, mask).item() == pytest.approx(0.0, abs=1e-6)
+    paper = privileged_margin(shifted, student, rewards, mask).item()
+    w = mask.float().sum(1)
+    assert paper == pytest.approx(-0.3 * float(((2 * rewards - 1) * w).sum() / w.sum()), rel=1e-5)
+    if rbar != 0.5:  # at r̄ = 1/2 the paper's form is (nearly) unbiased too
+        assert abs(paper) > 0.05
+
+
+def test_centred_margin_matches_brute_force_and_reaches_only_the_teacher():
+    g = torch.Generator().manual_seed(3)
+    teacher = (-torch.rand(6, 5, generator=g) * 2).requires_grad_(True)
+    student = (-torch.rand(6, 5, generator=g) * 2).requires_grad_(True)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.0, 1.0])
+    mask = torch.rand(6, 5, generator=g) > 0.4
+    mask[:, 0] = True
+    mask[4] = False  # no supervised token: out of the mean and of r̄
+    adv = centred_advantages(rewards, valid=mask.any(1))
+    assert adv[4] == 0 and float(adv.sum()) == pytest.approx(0.0, abs=1e-6)
+    d = centred_margin(teacher, student, adv, mask)
+    assert d.item() == pytest.approx(brute_centred_margin(teacher.detach(), student.detach(), rewards, mask), rel=1e-5)
+    d.backward()
+    assert student.grad is None and teacher.grad.abs().sum() > 0
+
+
+def test_centred_advantages_per_group_when_tasks_repeat():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 5])
+    adv = centred_advantages(rewards, groups)
+    # groups {0,1}: ±1; group {2,3}: all fail → 0; singletons 4, 5 → 0 (as GRPO)
+    assert adv.tolist() == [1.0, -1.0, 0.0, 0.0, 0.0, 0.0]
+    # distinct tasks: the batch mean (r̄ = 0.5)
+    assert centred_advantages(rewards, torch.arange(6)).tolist() == [1.0, -1.0, -1.0, -1.0, 1.0, 1.0]
+    assert centred_advantages(rewards, torch.arange(6), mean=0.25).tolist() == pytest.approx(
+        [1.5, -0.5, -0.5, -0.5, 1.5, 1.5])
+    assert not rewards_have_spread(torch.zeros(5)) and rewards_have_spread(rewards)
+    assert not rewards_have_spread(rewards, valid=torch.tensor([False, True, True, True, False, False]))
+
+
+def _random_teacher_batch(seed: int, B: int = 64, T: int = 12, V: int = 30, success_rate: float = 0.15):
+    """A mostly failing batch of the student's own samples and a teacher that differs from the
+    student at random (no relation to reward): full-vocabulary brute force, actions ~ student.
+    Failing rollouts are longer, as in practice."""
+    g = torch.Generator().manual_seed(seed)
+    s_logits = torch.randn(B, T, V, generator=g) * 2
+    t_logits = s_logits + torch.randn(B, T, V, generator=g) * 1.5
+    s_lp, t_lp = torch.log_softmax(s_logits.double(), -1), torch.log_softmax(t_logits.double(), -1)
+    actions = torch.multinomial(s_lp.exp().reshape(-1, V), 1, generator=g).reshape(B, T)
+    rewards = (torch.rand(B, generator=g) < success_rate).float()
+    lengths = torch.where(rewards > 0, torch.randint(3, 7, (B,), generator=g), torch.randint(6, T + 1, (B,), generator=g))
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    take = lambda lp: lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1).float()
+    kl = float((s_lp.exp() * (s_lp - t_lp)).sum(-1)[mask].mean())
+    return take(t_lp), take(s_lp), rewards, mask, kl
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_teacher_on_a_mostly_failing_batch_satisfies_the_paper_margin_not_the_centred_one(seed):
+    teacher, student, rewards, mask, kl = _random_teacher_batch(seed)
+    m = 0.05
+    assert 0.0 < float(rewards.mean()) < 0.35 and kl > 0.3
+    paper = privileged_margin(teacher, student, rewards, mask).item()
+    adv = centred_advantages(rewards, valid=mask.any(1))
+    centred = centred_margin(teacher, student, adv, mask).item()
+    assert paper >= m, paper  # ≈ (1 − 2r̄)·KL: disagreement passes as privilege
+    assert centred < m, centred  # only Cov(r, δ̄) is left, ≈ 0 for a teacher unrelated to reward
+    # ... while a teacher that is better exactly on the successes does satisfy it
+    better = teacher + 0.5 * rewards.unsqueeze(-1)
+    assert centred_margin(better, student, adv, mask).item() >= m
+
+
+def test_contrastive_hinge_hand_case_and_gradient():
+    own = torch.tensor([1.0, 2.0, 0.5], requires_grad=True)
+    other = torch.tensor([1.5, 1.0, 0.55], requires_grad=True)
+    h = contrastive_hinge(own, other, 0.1)
+    # terms: max(0, −0.4) = 0, max(0, 1.1) = 1.1, max(0, 0.05) = 0.05
+    assert h.item() == pytest.approx((0.0 + 1.1 + 0.05) / 3)
+    h.backward()
+    assert own.grad.tolist() == pytest.approx([0.0, 1 / 3, 1 / 3])
+    assert other.grad.tolist() == pytest.approx([0.0, -1 / 3, -1 / 3])
+    assert contrastive_hinge(torch.zeros(0), torch.zeros(0), 0.1).item() == 0.0

@@ -11,7 +11,8 @@ Pieces:
 - the masked reverse KL(p̃^S ‖ p̃^T), with which side is detached made explicit: the student
   pass trains θ against a detached teacher; the composer pass trains φ through the teacher
   against a detached student;
-- the privileged margin Δ, the anchor term, the dual step on β and the composer objective;
+- the privileged margin Δ (the paper's form and the centred one), the anchor term, the dual
+  step on β, the composer's contrastive hinge and the composer objective;
 - GRPO: group-normalised advantages and the clipped surrogate with an optional k3 KL;
 - chunked forms that take last-layer hidden states and the lm_head and never build logits for
   more than `chunk_size` positions at once, in the forward or the backward (each chunk is
@@ -21,7 +22,8 @@ Normalisation ("sequence mean"): a per-token quantity v is reduced as
     mean over sequences b with Σ_t ω_bt > 0 of ( Σ_t ω_bt v_bt / Σ_t ω_bt ),
 i.e. the spec's E[ Σ ω·KL / Σ ω ] with the expectation over sequences (rollouts). Sequences
 with no supervised token are left out of the mean; a batch with none gives 0 (still a graph).
-Exception, as in the spec: Δ is the mean over *all* supervised tokens of the batch.
+Exceptions: the paper's Δ (`privileged_margin`) is, as in the spec, the mean over *all*
+supervised tokens of the batch; the anchor is a sum over a task's elements (the spec's ‖·‖²).
 """
 
 from __future__ import annotations
@@ -357,33 +359,139 @@ def chunked_reverse_kl(
     return topm_reverse_kl(student, teacher_logprobs, mask)
 
 
+MarginForm = Literal["paper", "centred"]
+
+
+def paper_advantages(rewards: Tensor) -> Tensor:
+    """The paper's A(τ) = 2r − 1 ∈ [−1, 1] (LOPD.md, "Objective"): (B,) -> (B,) float32."""
+    return 2.0 * rewards.detach().float() - 1.0
+
+
+def centred_advantages(rewards: Tensor, group_ids: Tensor | None = None, valid: Tensor | None = None,
+                       mean: float | None = None) -> Tensor:
+    """A(τ) = 2 (r − r̄): the paper's advantage with its fixed centre 1/2 replaced by the mean reward.
+
+    rewards (B,); valid (B,) bool: the sequences that enter the margin (those with a supervised
+    token) — r̄ is their mean and the others get 0. Groups: when `group_ids` (B,) repeats a
+    task among the valid sequences (GRPO-style groups of rollouts of one task), r̄ is the group's
+    mean and a group of one gets 0; otherwise r̄ is the batch mean, or `mean` when given (the
+    mean over all ranks). The factor 2 keeps the paper's scale (|A| = 1 for r ∈ {0, 1} at
+    r̄ = 1/2), so the margin m means the same nats per token. Float64 inside; returns (B,)
+    float32, no gradient.
+    """
+    r = rewards.detach().double()
+    ok = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.bool().to(r.device)
+    if group_ids is not None and torch.unique(group_ids[ok]).numel() < int(ok.sum()):
+        _, inv = torch.unique(group_ids, return_inverse=True)
+        w = ok.double()
+        n = torch.zeros(int(inv.max()) + 1, dtype=r.dtype, device=r.device).index_add_(0, inv, w)
+        tot = torch.zeros_like(n).index_add_(0, inv, r * w)
+        centre = (tot / n.clamp_min(1.0))[inv]
+        adv = torch.where((n <= 1)[inv], torch.zeros_like(r), 2.0 * (r - centre))
+    else:
+        centre = float(mean) if mean is not None else (float(r[ok].mean()) if ok.any() else 0.0)
+        adv = 2.0 * (r - centre)
+    return torch.where(ok, adv, torch.zeros_like(adv)).float()
+
+
+def rewards_have_spread(rewards: Tensor, valid: Tensor | None = None) -> bool:
+    """Whether the centred margin says anything: the rewards of the valid sequences differ.
+
+    With every rollout failing (or every one succeeding) the centred advantages are all 0, Δ is
+    0 by construction and carries no evidence about privilege; the trainer then skips the dual
+    step instead of reading Δ = 0 < m as a violation."""
+    r = rewards.detach().double()
+    if valid is not None:
+        r = r[valid.bool().to(r.device)]
+    return r.numel() > 1 and bool(r.max() > r.min())
+
+
 def privileged_margin(
     teacher_token_logprobs: Tensor, student_token_logprobs: Tensor, reward: Tensor, mask: Tensor
 ) -> Tensor:
-    """Δ = token_mean over all supervised tokens of A(τ)·δ, δ = log π^T(a) − sg[log π^S(a)].
+    """The paper's Δ = token_mean over all supervised tokens of A(τ)·δ, δ = log π^T(a) − sg[log π^S(a)].
 
     teacher/student token log-probs (B, T) of the taken actions; reward (B,) with A = 2r − 1
     (∈ [−1, 1] for r ∈ [0, 1]). Gradient flows into the teacher side only. 0 if nothing is
-    supervised.
+    supervised. `train.margin_advantage: paper`.
+
+    Why it is not the default: on the student's own samples E[δ] = −KL(S‖T) ≤ 0, so
+    Δ ≈ (1 − 2r̄)·KL + a covariance term; when most rollouts fail, any teacher that merely
+    differs from the student satisfies Δ ≥ m (and long failing rollouts dominate the token
+    mean). See `centred_margin`.
     """
     delta = teacher_token_logprobs.float() - student_token_logprobs.detach().float()
-    advantage = (2.0 * reward.to(delta) - 1.0).unsqueeze(-1)
+    advantage = paper_advantages(reward).to(delta).unsqueeze(-1)
     return token_mean(advantage * delta, mask)
 
 
-def anchor_loss(latents: Tensor, latents0: Tensor) -> Tensor:
-    """‖c − sg[c0]‖² as a mean over every element (= F.mse_loss).
+def centred_margin(
+    teacher_token_logprobs: Tensor, student_token_logprobs: Tensor, advantages: Tensor, mask: Tensor
+) -> Tensor:
+    """Δ_c = sequence_mean of A(τ)·δ with centred advantages (`centred_advantages`): the default,
+    `train.margin_advantage: centred`.
 
-    latents, latents0: (..., K, d), e.g. (B, n_ret·K, d). The spec writes a squared norm; we
-    divide it by the number of elements (K·d per task, then average over tasks) so the term is
-    a per-coordinate squared drift whose size does not grow with d or K: λ = 0.2 means the
-    same at d = 128 and d = 4096. Gradient flows into `latents` only.
+    With batch centring Δ_c = 2·Cov_τ(r, δ̄_τ), δ̄_τ = the token mean of δ in rollout τ: the
+    teacher is privileged when it is more likely than the student on successful rollouts
+    *relative to* failed ones. Two changes from the paper's form, each removing a way to satisfy
+    the margin by disagreement alone:
+    - centring (r − r̄): Σ_τ A_τ = 0, so a δ that is the same on every rollout (e.g. −KL(S‖T) of
+      a teacher that merely differs) contributes exactly 0, whatever r̄ — the (1 − 2r̄)·KL term
+      is gone and only the covariance of reward and δ remains;
+    - the mean per sequence, then over sequences (not over all tokens): with a token mean a
+      constant δ = −c would still give −c·Σ_τ A_τ L_τ / Σ L, which is > 0 whenever failing
+      rollouts are longer than successful ones (they usually are).
+    Why centring rather than "Δ on successes only" (which also removes the disagreement term):
+    when most rollouts fail the successes are few (6 of 32 at r̄ = 0.2), so a successes-only Δ is
+    a noisy estimate that ignores the failures' evidence, while the centred form uses every
+    rollout and asks for the *relative* gain (teacher better on successes than on failures).
+    teacher/student (B, T); advantages (B,) (constants); mask (B, T). Gradient into the teacher.
     """
-    return F.mse_loss(latents.float(), latents0.detach().float())
+    delta = teacher_token_logprobs.float() - student_token_logprobs.detach().float()
+    return sequence_mean(advantages.detach().to(delta).unsqueeze(-1) * delta, mask)
+
+
+def per_sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Σ_t ω v / Σ_t ω for each sequence: (B, T) -> (B,); 0 for a sequence with no supervised token."""
+    w = mask.to(values.dtype)
+    v = torch.where(w != 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return (v * w).sum(-1) / w.sum(-1).clamp_min(1.0)
+
+
+def contrastive_hinge(nll_own: Tensor, nll_other: Tensor, margin: float) -> Tensor:
+    """mean_b max(0, NLL_own − NLL_other + margin): the teacher's NLL of a trajectory with its own
+    task's references must beat its NLL with another task's references by `margin` (nats per
+    token). nll_own, nll_other: (B,) per-sequence token-mean NLLs, both differentiable (the
+    gradient reaches ψ and χ through both sets of latents). 0 (still a graph) for an empty batch."""
+    if nll_own.numel() == 0:
+        return nll_own.sum() * 0.0
+    return torch.relu(nll_own.float() - nll_other.float() + float(margin)).mean()
+
+
+def anchor_loss(latents: Tensor, latents0: Tensor) -> Tensor:
+    """The anchor as the spec writes it: ‖c − sg[c0]‖², summed over a task's elements, then the
+    mean over the batch's tasks.
+
+    latents, latents0: (B, n_ret·K, d), one task per leading index (a 2-D (K, d) input is one
+    task). Scale: a task's ‖c − c0‖² adds up n_ret·K·d squared coordinates, so with latents at
+    token-embedding scale (row norm ρ, the composer's init) a relative drift ε in every row costs
+    n_ret·K·ε²·ρ², and λ = 0.2 weighs it against KL and Δ, which are nats per token. (Before
+    issue 16 this was a mean over elements, 1/(n_ret·K·d) of the spec — 1/13,824 on SmolLM2 —
+    so the anchor was effectively off.) Gradient flows into `latents` only.
+    """
+    diff = latents.float() - latents0.detach().float()
+    if diff.dim() <= 2:
+        return diff.pow(2).sum()
+    return diff.pow(2).flatten(1).sum(-1).mean()
 
 
 def dual_update(beta: float, margin_m: float, delta: float | Tensor, eta: float) -> float:
-    """β ← max(0, β + η (m − Δ)): β grows while Δ < m and decays to 0 once Δ > m."""
+    """β ← max(0, β + η (m − Δ)): β grows while Δ < m and decays to 0 once Δ > m.
+
+    Units: Δ and m are nats per token, so η is β per nat. The paper's η = 0.5 with m = 0.05 moves
+    β by at most 0.025 a step (≈ 0.2 in 8 steps): inert in short runs. The recipe default is
+    `train.eta_beta = 10` = 0.5 / 0.05, i.e. a shortfall of one default margin raises β by 0.5.
+    """
     d = float(delta.detach()) if isinstance(delta, Tensor) else float(delta)
     return max(0.0, float(beta) + float(eta) * (float(margin_m) - d))
 
