@@ -5,8 +5,11 @@ and algorithm are one group; their seeds (`train.seed`) are averaged and drawn a
 t-band (a single seed is a plain line). Panels: training success and reward against
 `rollouts_total` (rollouts are the cost that matters), validation success against
 `rollouts_total` (`eval/success`, on the training row of its step or on its own
-`"split": "validation"` row), and β, Δ (with the margin m) and KL against `step`. Keys a run
-did not log (GRPO has no β or Δ) are simply absent from its panels.
+`"split": "validation"` row), β, Δ (with the margin m) and KL against `step`, and the composer's
+health at each eval (LOPD): the latents' task spread, the teacher's NLL gap between another
+task's references and its own (both on held-out bank trajectories) and ψ's gradient norm. The
+table adds the share of steps where the margin binds (Δ < m, among steps where Δ is defined)
+and χ's gradient norm. Keys a run did not log (GRPO has no β or Δ) are simply absent.
 
 What it simplifies: seeds are aligned on the x values all of them logged; where none are
 common (runs cut at different points) every logged x is used with the seeds present there.
@@ -39,6 +42,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("beta", "step", "β (dual variable)"),
     Panel("delta", "step", "Δ (privileged margin)"),
     Panel("kl", "step", "KL(student ‖ teacher)"),
+    Panel("composer/latent_task_spread", "step", "composer: latent task spread"),
+    Panel("composer/nll_gap", "step", "composer: NLL(other refs) − NLL(own refs)"),
+    Panel("grad_norm_encoder", "step", "ψ (encoder LoRA) gradient norm"),
 )
 
 
@@ -158,11 +164,13 @@ def aggregate(runs: Sequence[Run], panel: Panel) -> Series | None:
     return Series(runs[0].group, xs, mean, low, high, seeds=len(per_run))
 
 
-def _final_value(rows: list[dict[str, Any]], key: str, last: int = 1) -> float | None:
+def _final_value(rows: list[dict[str, Any]], key: str, last: int | None = 1) -> float | None:
+    """The mean of the last `last` logged values of `key` (None: of all of them; booleans count
+    as 0/1, so a flag's mean is the share of rows where it held)."""
     vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     if not vals:
         return None
-    tail = vals[-last:]
+    tail = vals if last is None else vals[-last:]
     return sum(tail) / len(tail)
 
 
@@ -174,6 +182,11 @@ FINAL_COLUMNS = (
     ("β", "beta", 1),
     ("Δ", "delta", 1),
     ("KL", "kl", 1),
+    ("margin binds (share of steps)", "margin_binds", None),
+    ("task spread", "composer/latent_task_spread", 1),
+    ("NLL gap", "composer/nll_gap", 1),
+    ("‖∇ψ‖", "grad_norm_encoder", 1),
+    ("‖∇χ‖", "grad_norm_resampler", 1),
 )
 
 
@@ -222,7 +235,7 @@ def build_report(run_dirs: Sequence[Path]) -> Report:
     groups = group_runs(runs)
     colours = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(groups)}
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9), constrained_layout=True)
+    fig, axes = plt.subplots(3, 3, figsize=(16, 13), constrained_layout=True)
     series: dict[str, list[Series]] = {}
     for ax, panel in zip(axes.flat, PANELS):
         series[panel.key] = []

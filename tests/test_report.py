@@ -29,7 +29,11 @@ def make_run(root: Path, name: str, algo: str, seed: int, steps: int = 12, per_s
         row = {"step": step, "rollouts_total": step * per_step, "reward": success + 0.1, "success": success,
                "kl": 1.0 / step, "loss/distill": 0.5}
         if algo == "lopd":
-            row.update({"delta": 0.01 * step, "beta": max(0.0, 0.3 - 0.02 * step), "anchor": 0.001})
+            row.update({"delta": 0.01 * step, "beta": max(0.0, 0.3 - 0.02 * step), "anchor": 0.001,
+                        "margin_binds": step % 3 == 0 if step != 5 else None,  # step 5: Δ undefined
+                        "grad_norm_encoder": 0.1, "grad_norm_resampler": 0.2})
+            if step % eval_every == 0:
+                row.update({"composer/latent_task_spread": 0.4 / step, "composer/nll_gap": 0.05})
         lines.append(row)
         if step % eval_every == 0:
             val = {"eval/reward": success, "eval/success": success - 0.05}
@@ -100,3 +104,19 @@ def test_single_run_without_recipe_and_bad_input(tmp_path):
     assert s.group == "bare · lopd" and s.x == [8.0] and s.low == [None]
     with pytest.raises(LopdError, match="metrics.jsonl"):
         build_report([tmp_path / "nothing"])
+
+
+def test_margin_binding_share_and_composer_health(runs):
+    report = build_report(runs)
+    rows = {r[0]: r for r in report.rows}
+    col = report.header.index("margin binds (share of steps)")
+    # steps 3, 6, 9, 12 bind, of the 11 steps where Δ is defined (step 5 logged None)
+    assert rows["orders-tiny · lopd"][col].startswith(f"{4 / 11:.3f}")
+    assert rows["orders-tiny · grpo"][col] == "-"
+    spread = report.header.index("task spread")
+    assert rows["orders-tiny · lopd"][spread].startswith(f"{0.4 / 12:.3f}")
+    assert rows["orders-tiny · lopd"][report.header.index("‖∇χ‖")].startswith("0.200")
+    (s,) = report.series["composer/latent_task_spread"]
+    assert s.x == [4.0, 8.0, 12.0] and s.mean == pytest.approx([0.1, 0.05, 0.4 / 12])
+    titles = {ax.get_title() for ax in report.figure.axes}
+    assert {"composer: latent task spread", "ψ (encoder LoRA) gradient norm"} <= titles
