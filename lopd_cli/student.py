@@ -129,3 +129,80 @@ def load_student(info: CheckpointInfo, dtype: str = "float32", device: str = "au
     model.set_adapter("student")
     model.eval()
     return model, tok
+
+
+# ----------------------------------------------------------------------------- warm starts
+
+
+def resolve_init_from(spec: str, root: Path) -> CheckpointInfo:
+    """`train.init_from`: a run folder (its latest checkpoint) or a checkpoint folder, relative
+    to the project root, whose student a new run starts from."""
+    from lopd_cli.train.checkpoint import resolve_checkpoint as resolve_path
+
+    p = Path(spec).expanduser()
+    p = p if p.is_absolute() else Path(root) / p
+    if not p.exists() and not p.is_symlink():
+        raise LopdError(f"train.init_from: {spec}: no such run or checkpoint folder")
+    try:
+        step_dir = resolve_path(p)
+    except LopdError:
+        raise LopdError(f"train.init_from: {spec} holds no student (no checkpoint in it yet)") from None
+    info = read_checkpoint(step_dir)
+    if not info.student_dir.is_dir():
+        raise LopdError(f"train.init_from: {step_dir} holds no student (no student/ folder)")
+    return info
+
+
+def check_init_backbone(info: CheckpointInfo, spec: str, backbone: str, backbone_path: str) -> None:
+    """The source's student must sit on this run's backbone (same spec, or the same directory)."""
+    if info.backbone == backbone:
+        return
+    if info.backbone_path and backbone_path and Path(info.backbone_path).resolve() == Path(backbone_path).resolve():
+        return
+    raise LopdError(f"train.init_from: {spec} was trained on backbone '{info.backbone}', "
+                    f"this recipe's model.backbone is '{backbone}'")
+
+
+def warm_start(model, info: CheckpointInfo, spec: str, search_dirs: Iterable[Path] = ()) -> dict:
+    """Load `info`'s student into a trainer's (peft-wrapped) model as its initial student.
+
+    LoRA → LoRA: the adapter's weights become the "student" adapter (same rank, alpha and
+    targets), so a later checkpoint's adapter is the whole student and export needs only it and
+    the backbone; the teacher (adapters off) stays the plain backbone. LoRA → full: the adapter
+    is merged into a private copy of the backbone whose weights become the base. Full → full:
+    the weights are copied. Full → LoRA is refused (the base itself would have to change,
+    and with it the teacher). Returns what a checkpoint records about the source."""
+    from lopd_cli.models import adapters as ad
+    from lopd_cli.train.checkpoint import copy_full_weights, load_student_weights
+
+    lora_here = ad.has_student_adapter(model)
+    if info.student == "full" and lora_here:
+        raise LopdError(f"train.init_from: {spec} holds a fully fine-tuned student and this recipe trains a LoRA "
+                        "student on the plain backbone (set model.student=full to continue it)")
+    try:
+        if info.student == "lora" and not lora_here:
+            src, _ = load_student(info, dtype="float32", device="cpu", search_dirs=search_dirs)
+            merged = src.merge_and_unload()
+            dtype = next(model.parameters()).dtype
+            copy_full_weights(model, {k: v.to(dtype) for k, v in merged.state_dict().items()})
+            del src, merged
+        else:
+            load_student_weights(model, info.student_dir)
+    except LopdError as e:
+        raise LopdError(f"train.init_from: {spec}: {e}") from None
+    return {"checkpoint": str(info.path), "run": str(info.run_dir) if info.run_dir else None,
+            "step": info.step, "algo": info.algo, "student": info.student}
+
+
+def init_source(project, recipe) -> CheckpointInfo | None:
+    """The checkpoint `train.init_from` names, checked against the recipe's backbone (None when
+    the recipe has no init_from). Cheap: nothing is loaded but checkpoint.json."""
+    from lopd_cli.models.backbone import resolve_backbone
+
+    spec = recipe.train.init_from
+    if not spec:
+        return None
+    info = resolve_init_from(spec, project.root)
+    mine = resolve_backbone(recipe.model.backbone, [recipe.base_dir, project.root])
+    check_init_backbone(info, spec, recipe.model.backbone, str(mine))
+    return info

@@ -1,4 +1,4 @@
-"""`lopd train`: LOPD (default), or the GRPO / OPSD baselines, in one loop."""
+"""`lopd train`: LOPD (default), or the GRPO / OPSD / SFT baselines, in one loop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lopd_cli.cli.common import DebugOpt, JsonOpt, ProjectOpt, RecipeOpt, SetOpt
 
 def train(
     recipe: RecipeOpt = None,
-    algo: Annotated[Optional[str], typer.Option("--algo", help="lopd (default), grpo or opsd: sets train.algo.")] = None,
+    algo: Annotated[Optional[str], typer.Option("--algo", help="lopd (default), grpo, opsd or sft: sets train.algo.")] = None,
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run from its latest checkpoint.")] = False,
     run: Annotated[Optional[str], typer.Option(
@@ -32,8 +32,8 @@ def train(
     proj = open_project(project)
     overrides = list(set_ or [])
     if algo is not None:
-        if algo not in ("lopd", "grpo", "opsd"):
-            raise LopdError(f"--algo '{algo}': choose lopd, grpo or opsd")
+        if algo not in ("lopd", "grpo", "opsd", "sft"):
+            raise LopdError(f"--algo '{algo}': choose lopd, grpo, opsd or sft")
         overrides.append(f"train.algo={algo}")
     r = proj.load_recipe(recipe, overrides)
 
@@ -56,10 +56,7 @@ def train(
 
         def on_step(row: dict) -> None:
             rows.append(row)
-            info = f"reward {row['reward']:.3f} success {row['success']:.2f}"
-            if row.get("beta") is not None:
-                info += f" β {row['beta']:.3f} Δ {row.get('delta', 0):.3f}"
-            bar.update(task, completed=row["step"], info=info)
+            bar.update(task, completed=row["step"], info=_step_info(row))
 
         tr = run_training(proj, r, run_dir, resume=resume, on_step=on_step)
         bar.update(task, completed=tr.state.step)
@@ -70,10 +67,21 @@ def train(
         return
     console.print(f"[green]done[/green]: {run_dir} ({tr.state.step} steps, {tr.state.rollouts_total} rollouts in total)")
     if rows:
-        last = rows[-1]
-        console.print(f"  last step: reward {last['reward']:.3f}, success {last['success']:.2f}"
-                      + (f", β {last['beta']:.3f}, Δ {last.get('delta', 0):.3f}" if last.get("beta") is not None else ""))
+        console.print(f"  last step: {_step_info(rows[-1], ', ')}")
     console.print(f"  next: lopd eval --recipe {r.name or 'R'} --checkpoint {run_dir}")
+
+
+def _step_info(row: dict, sep: str = " ") -> str:
+    """Reward and success of the step's rollouts (SFT has none: its loss), β and Δ for LOPD."""
+    if row.get("reward") is None:
+        parts = [f"loss {row.get('loss') or 0:.4f}"]
+    else:
+        parts = [f"reward {row['reward']:.3f}", f"success {row['success']:.2f}"]
+    if row.get("eval/success") is not None:
+        parts.append(f"validation success {row['eval/success']:.2f}")
+    if row.get("beta") is not None:
+        parts.append(f"β {row['beta']:.3f} Δ {row.get('delta', 0):.3f}")
+    return sep.join(parts)
 
 
 def register(app: typer.Typer) -> None:

@@ -121,3 +121,37 @@ def read_checkpoint_meta(step_dir: Path) -> dict[str, Any]:
 
 def load_state(step_dir: Path) -> dict[str, Any]:
     return torch.load(Path(step_dir) / "state.pt", weights_only=False)
+
+
+# ----------------------------------------------------------------------------- student weights
+
+
+def copy_full_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a plain transformers state dict into the base weights of a peft-wrapped trainer
+    model (where a LoRA-wrapped layer keeps its weight under `.base_layer.`)."""
+    own = dict(model.get_base_model().named_parameters())
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            for name in (k, k.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")):
+                if name in own:
+                    own[name].copy_(v)
+                    break
+
+
+def load_student_weights(model, student_dir: Path) -> None:
+    """A checkpoint's `student/` into the trainer's model, in place: a peft adapter into the
+    "student" adapter (LoRA student), or a transformers directory into the base (full FT)."""
+    from lopd_cli.models import adapters as ad
+
+    student_dir = Path(student_dir)
+    if ad.has_student_adapter(model):
+        for d in (student_dir, student_dir / "student"):
+            if (d / "adapter_config.json").is_file():
+                student_dir = d
+                break
+        ad.load_adapter_weights(model, ad.STUDENT, student_dir)
+        return
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(student_dir, dtype=next(model.parameters()).dtype)
+    copy_full_weights(model, full.state_dict())

@@ -1,0 +1,168 @@
+"""`train.init_from`: a run starts from another run's student (SFT first, then LOPD). Its step-0
+student is the source's final student; it records where it came from; `--resume` continues from
+its own checkpoints; export and eval of the chained run give backbone + its final student; bad
+sources fail with one line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from _train_fixtures import build_project, numeric
+from lopd_cli.errors import LopdError
+from lopd_cli.train.metrics import read_metrics
+
+PROMPT = [[{"role": "user", "content": "Refund order 4821 for customer ada@example.com."}]]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The LOPD-ready tiny project, with a 3-step SFT run (LoRA student) to start from."""
+    from lopd_cli.train.loop import train
+
+    proj = build_project(tmp_path_factory.mktemp("init"))
+    recipe = proj.load_recipe("toolcall", ["train.algo=sft", "train.steps=3", "train.save_every=3"])
+    train(proj, recipe, proj.runs_dir / "src-sft")
+    return proj
+
+
+def _train(project, name: str, overrides: list[str], resume: bool = False):
+    from lopd_cli.train.loop import train
+
+    recipe = project.load_recipe("toolcall", overrides)
+    return train(project, recipe, project.runs_dir / name, resume=resume)
+
+
+def _inputs(tokenizer):
+    from lopd_cli.export import check_inputs
+
+    return check_inputs(tokenizer, PROMPT + [[{"role": "user", "content": "Cancel my last order."}]])
+
+
+def _student_logits(model, inputs):
+    """Logits of the trainer model's student view (or of a plain / peft model as it is)."""
+    from lopd_cli.export import prompt_logits
+    from lopd_cli.models import adapters as ad
+
+    if hasattr(model, "lopd_full_student"):
+        with ad.use_student(model):
+            return prompt_logits(model, inputs)
+    return prompt_logits(model, inputs)
+
+
+def _checkpoint_student(path):
+    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+
+    return load_student(read_checkpoint(resolve_checkpoint(path)), device="cpu")
+
+
+def _same(a, b, atol=0.0):
+    return all(torch.allclose(x, y, atol=atol, rtol=0) for x, y in zip(a, b, strict=True))
+
+
+def test_step0_student_is_the_source_final_student(project):
+    from lopd_cli.models.backbone import load_backbone
+
+    src, tok = _checkpoint_student(project.runs_dir / "src-sft")
+    inputs = _inputs(tok)
+    source = _student_logits(src, inputs)
+    backbone, _ = load_backbone("tiny", device="cpu")
+    assert not _same(source, _student_logits(backbone, inputs), atol=1e-3), "the source must differ from the backbone"
+
+    tr = _train(project, "chain0", ["train.steps=0", "train.init_from=runs/src-sft"])
+    assert _same(_student_logits(tr.model, inputs), source)
+    assert tr.extra["init_from"]["algo"] == "sft" and tr.extra["init_from"]["step"] == 3
+    # optimiser state starts fresh
+    assert not tr.student_opt.state
+
+
+def test_chained_lopd_records_resumes_and_exports(project, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from lopd_cli.export import export_merged
+    from lopd_cli.student import read_checkpoint, resolve_checkpoint
+
+    sets = ["train.init_from=runs/src-sft", "train.steps=2", "train.save_every=1"]
+    tr = _train(project, "chain", sets)
+    run = project.runs_dir / "chain"
+    latest = resolve_checkpoint(run)
+    meta = json.loads((latest / "checkpoint.json").read_text())
+    src_step = resolve_checkpoint(project.runs_dir / "src-sft")
+    assert meta["algo"] == "lopd" and meta["init_from"]["checkpoint"] == str(src_step)
+    assert meta["init_from"]["run"] == str(project.runs_dir / "src-sft")
+    assert "init_from: runs/src-sft" in (run / "recipe.yaml").read_text()
+
+    # --resume continues from the run's own checkpoint (not the source again), and still records it
+    _train(project, "chain-cut", [*sets[:1], "train.steps=1", "train.save_every=1"])
+    _train(project, "chain-cut", sets, resume=True)
+    straight, resumed = read_metrics(run), read_metrics(project.runs_dir / "chain-cut")
+    assert [r["step"] for r in resumed] == [1, 2]
+    for a, b in zip(straight, resumed):
+        na, nb = numeric(a), numeric(b)
+        assert na.keys() == nb.keys()
+        for k in na:
+            assert (nb[k] is None) if na[k] is None else nb[k] == pytest.approx(na[k], abs=1e-5, rel=1e-5), k
+    cut_meta = json.loads((resolve_checkpoint(project.runs_dir / "chain-cut") / "checkpoint.json").read_text())
+    assert cut_meta["init_from"]["checkpoint"] == str(src_step)
+
+    # Export and eval (load_student) of the chained checkpoint give its final student, which is
+    # neither the backbone nor the source: the saved adapter is the whole student.
+    final = _student_logits(tr.model, _inputs(tr.tokenizer))
+    src, tok = _checkpoint_student(project.runs_dir / "src-sft")
+    inputs = _inputs(tok)
+    assert not _same(final, _student_logits(src, inputs), atol=1e-6), "two LOPD steps must move the student"
+    evaluated, _ = _checkpoint_student(run)
+    assert _same(_student_logits(evaluated, inputs), final, atol=1e-5)
+    out = tmp_path / "exported"
+    export_merged(read_checkpoint(latest), out)
+    plain = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert _same(_student_logits(plain, inputs), final, atol=1e-4)
+
+
+def test_lora_source_into_full_student_merges_it(project):
+    src, tok = _checkpoint_student(project.runs_dir / "src-sft")
+    inputs = _inputs(tok)
+    tr = _train(project, "full0", ["train.algo=sft", "train.steps=0", "model.student=full",
+                                   "train.init_from=runs/src-sft"])
+    assert _same(_student_logits(tr.model, inputs), _student_logits(src, inputs), atol=1e-5)
+
+
+def test_full_source_continues_full_and_is_refused_by_lora(project):
+    _train(project, "src-full", ["train.algo=sft", "train.steps=1", "model.student=full", "train.lr=1e-4"])
+    from lopd_cli.models.backbone import load_backbone
+
+    src, tok = _checkpoint_student(project.runs_dir / "src-full")
+    inputs = _inputs(tok)
+    backbone, _ = load_backbone("tiny", device="cpu")
+    assert not _same(_student_logits(src, inputs), _student_logits(backbone, inputs), atol=1e-5)
+    tr = _train(project, "full-full0", ["train.algo=sft", "train.steps=0", "model.student=full",
+                                        "train.init_from=runs/src-full"])
+    assert _same(_student_logits(tr.model, inputs), _student_logits(src, inputs))
+    with pytest.raises(LopdError, match="fully fine-tuned student and this recipe trains a LoRA"):
+        _train(project, "full-lora", ["train.algo=sft", "train.steps=0", "train.init_from=runs/src-full"])
+
+
+def test_bad_sources_fail_with_one_line(project, lopd):
+    def err(spec: str, name: str) -> str:
+        r = lopd("train", "-C", project.root, "--recipe", "toolcall", "--run", name,
+                 "--set", "train.steps=1", "--set", f"train.init_from={spec}")
+        assert r.code == 1, r
+        lines = r.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: train.init_from: "), r.err
+        assert not (project.runs_dir / name).exists(), "nothing is written for a bad source"
+        return lines[0]
+
+    assert "runs/nope: no such run or checkpoint folder" in err("runs/nope", "bad1")
+    assert "runs/coldstart holds no student" in err("runs/coldstart", "bad2")
+
+    fake = project.root / "elsewhere"
+    shutil.copytree(project.runs_dir / "src-sft" / "checkpoints" / "step_3", fake)
+    meta = json.loads((fake / "checkpoint.json").read_text())
+    (fake / "checkpoint.json").write_text(json.dumps({**meta, "backbone": "smollm2-135m-instruct",
+                                                      "backbone_path": "/nowhere/smollm2"}))
+    assert "was trained on backbone 'smollm2-135m-instruct', this recipe's model.backbone is 'tiny'" in err(
+        "elsewhere", "bad3")
+    (fake / "checkpoint.json").write_text(json.dumps(meta))
+    shutil.rmtree(fake / "student")
+    assert "holds no student (no student/ folder)" in err(str(fake), "bad4")
