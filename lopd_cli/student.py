@@ -1,10 +1,11 @@
 """Find a training checkpoint and load the deployable student from it.
 
 A checkpoint folder `runs/RUN/checkpoints/step_N/` holds `checkpoint.json`
-(`{"step", "algo", "backbone", "backbone_path", "student": "lora"|"full"}`) and `student/`: a
-peft adapter (LoRA student) or a full transformers directory (full fine-tuning). Everything else
-in it (composer, optimiser state) is for resuming training and is not read here: at deployment
-only the student runs.
+(`{"step", "algo", "backbone", "backbone_path", "student": "lora"|"full", "init_from"}`) and
+`student/`: a peft adapter (LoRA student) or a full transformers directory (full fine-tuning).
+Everything else in it (composer, optimiser state) is for resuming training and is not read here:
+at deployment only the student runs. A warm-started run (`train.init_from`, `warm_start` below)
+saves its whole student the same way, so nothing here follows a chain of runs.
 
 `--checkpoint` accepts a run folder (its latest checkpoint), a step folder, a `latest` link or
 text file (`step_N`), a run's `checkpoints/` folder, or the word `latest` (the newest run of the
