@@ -6,6 +6,9 @@ what the bank keeps: tool-call `arguments` given as an object become the JSON st
 uses, a missing `instruction` is taken from the first user message, the reward becomes a
 float, and unknown top-level fields move into `meta["extra"]`. Messages are otherwise kept
 exactly as given (extra message keys such as `name` or `reasoning_content` stay).
+
+ShareGPT-style records (`conversations`: [{"from": ..., "value": ...}], as many fine-tuning
+sets and agent stacks write them) are turned into OpenAI messages first; see `from_sharegpt`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import Any
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -83,15 +87,143 @@ def _normalise_messages(messages: Any) -> list[dict]:
     return out
 
 
+# ShareGPT speaker -> OpenAI role; `function_call` turns become assistant tool calls.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "tool": "tool", "observation": "tool",
+                  "function_response": "tool", "function_call": "assistant"}
+FORMATS = {"openai": "OpenAI chat messages", "sharegpt": "ShareGPT conversations (from/value)"}
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def detect_format(obj: Any) -> str | None:
+    """"openai" (a `messages` list), "sharegpt" (a `conversations` list) or None."""
+    if not isinstance(obj, dict):
+        return None
+    if "messages" in obj:
+        return "openai"
+    if "conversations" in obj:
+        return "sharegpt"
+    return None
+
+
+def _openai_call(spec: Any, k: int, where: str) -> dict:
+    """{"name", "arguments"} (arguments an object or a JSON string) -> an OpenAI tool call."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise RecordError(f"{where}: a tool call needs a 'name' (got {json.dumps(spec)[:60]})")
+    args = spec.get("arguments", spec.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise RecordError(f"{where}: arguments of '{spec['name']}' are not JSON") from None
+    if not isinstance(args, dict):
+        raise RecordError(f"{where}: arguments of '{spec['name']}' must be an object")
+    return {"id": f"call_{k}", "type": "function",
+            "function": {"name": spec["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _calls_in_text(text: str, first_id: int, where: str) -> tuple[str, list[dict]]:
+    """The text outside <tool_call> blocks, and the blocks' calls."""
+    calls = []
+    for block in _TOOL_CALL.findall(text):
+        try:
+            spec = json.loads(block)
+        except json.JSONDecodeError:
+            raise RecordError(f"{where}: a <tool_call> block is not JSON") from None
+        calls.append(_openai_call(spec, first_id + len(calls), where))
+    return (_TOOL_CALL.sub("", text).strip() if calls else text), calls
+
+
+def _tool_schemas(tools: Any) -> Any:
+    """ShareGPT sets often store tools as a JSON string and as bare function schemas."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else []
+        except json.JSONDecodeError:
+            raise RecordError("tools is a string but not JSON") from None
+    if isinstance(tools, list):
+        tools = [t if not isinstance(t, dict) or "function" in t or "name" not in t
+                 else {"type": "function", "function": t} for t in tools]
+    return tools
+
+
+def from_sharegpt(obj: dict) -> dict:
+    """A ShareGPT record as an OpenAI one: `conversations` -> `messages`, ids for tool calls.
+
+    Speakers: system, human/user, gpt/assistant, tool/observation/function_response, and
+    function_call (a JSON call, or a list of them, that becomes the assistant's tool_calls).
+    Tool calls in gpt turns are read from <tool_call>{"name", "arguments"}</tool_call> blocks.
+    A tool turn answers the oldest call not yet answered. A top-level `system` string becomes
+    the first message; every other key is kept for parse_record.
+    """
+    turns = obj.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise RecordError("no conversations (need a non-empty list 'conversations')")
+    messages: list[dict] = []
+    if isinstance(obj.get("system"), str) and obj["system"]:
+        messages.append({"role": "system", "content": obj["system"]})
+    pending: list[dict] = []  # calls without a tool answer yet
+    n_calls = 0
+    for i, turn in enumerate(turns):
+        where = f"conversations[{i}]"
+        if not isinstance(turn, dict):
+            raise RecordError(f"{where}: must be an object with 'from' and 'value'")
+        speaker, value = turn.get("from"), turn.get("value")
+        role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
+        if role is None:
+            raise RecordError(f"{where}: unknown 'from' {speaker!r} (expected one of {', '.join(SHAREGPT_ROLES)})")
+        if speaker == "function_call":
+            try:
+                spec = json.loads(value) if isinstance(value, str) else value
+            except json.JSONDecodeError:
+                raise RecordError(f"{where}: a function_call value must be JSON") from None
+            specs = spec if isinstance(spec, list) else [spec]
+            calls = [_openai_call(s, n_calls + j, where) for j, s in enumerate(specs)]
+            messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        elif not isinstance(value, str):
+            raise RecordError(f"{where}: 'value' must be a string")
+        elif role == "assistant":
+            text, calls = _calls_in_text(value, n_calls, where)
+            messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+        elif role == "tool":
+            call = pending.pop(0) if pending else None
+            msg = {"role": "tool", "content": value}
+            if call is not None:
+                msg.update(tool_call_id=call["id"], name=call["function"]["name"])
+            messages.append(msg)
+            continue
+        else:
+            messages.append({"role": role, "content": value})
+            continue
+        n_calls += len(calls)
+        pending = list(calls)
+    out = {k: v for k, v in obj.items() if k not in ("conversations", "system")}
+    out["messages"] = messages
+    if "tools" in out:
+        out["tools"] = _tool_schemas(out["tools"])
+    return out
+
+
 def parse_record(obj: Any) -> dict[str, Any]:
-    """Validate one decoded record; returns task_id, instruction, messages, tools, reward, meta."""
+    """Validate one decoded record; returns task_id, instruction, messages, tools, reward, meta.
+
+    OpenAI-format records and ShareGPT ones (see from_sharegpt) are read; a ShareGPT record's
+    meta gets `format: sharegpt`."""
     if not isinstance(obj, dict):
         raise RecordError(f"a record must be a JSON object, got {type(obj).__name__}")
+    fmt = detect_format(obj)
+    if fmt == "sharegpt":
+        obj = from_sharegpt(obj)
+    elif fmt is None:
+        raise RecordError("no messages (need a non-empty list 'messages', or ShareGPT 'conversations')")
     messages = _normalise_messages(obj.get("messages"))
 
     reward = obj.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-        raise RecordError("missing reward" if reward is None else f"reward must be a number, got {reward!r}")
+        if reward is None:
+            hint = " (a ShareGPT record needs a top-level 'reward' number as well)" if fmt == "sharegpt" else ""
+            raise RecordError(f"missing reward{hint}")
+        raise RecordError(f"reward must be a number, got {reward!r}")
     reward = float(reward)
     if not math.isfinite(reward):
         raise RecordError(f"reward must be a finite number, got {reward}")
@@ -125,6 +257,8 @@ def parse_record(obj: Any) -> dict[str, Any]:
         meta = dict(meta)
         prior = meta.get("extra")
         meta["extra"] = {**prior, **extra} if isinstance(prior, dict) else extra
+    if fmt == "sharegpt":
+        meta = {**meta, "format": "sharegpt"}
     return dict(task_id=task_id, instruction=instruction, messages=messages, tools=tools, reward=reward, meta=meta)
 
 

@@ -45,6 +45,30 @@ def _open_bank(project: Path | None, recipe: str | None, create: bool = False, m
     return proj, rec, cfg, bank
 
 
+class _FormatSniffer:
+    """Iterates a JSONL byte stream unchanged and notes the format of its first record."""
+
+    def __init__(self, stream: Any):
+        self.stream, self.format = stream, None
+
+    def __iter__(self):
+        from lopd_cli.bank.records import detect_format
+
+        for raw in self.stream:
+            if self.format is None and raw.strip():
+                try:
+                    self.format = detect_format(json.loads(raw)) or "unknown"
+                except (ValueError, UnicodeDecodeError):
+                    self.format = "unknown"
+            yield raw
+
+
+def _format_label(fmt: str | None) -> str:
+    from lopd_cli.bank.records import FORMATS
+
+    return FORMATS.get(fmt or "", "no records" if fmt is None else "unrecognised first record")
+
+
 @bank_app.command("add-rollouts")
 def add_rollouts(
     files: Annotated[list[str], typer.Argument(help="JSONL rollout files ('-' reads stdin).")],
@@ -57,19 +81,24 @@ def add_rollouts(
 ) -> None:
     """Add rollouts (one transaction per file: a file with a bad line adds nothing unless --skip-invalid)."""
     proj, rec, cfg, bank = _open_bank(project, recipe, create=True, min_reward=min_reward)
-    results = []
+    results, formats = [], []
     with bank:
         for name in files:
             if name == "-":
-                res = bank.add_stream(sys.stdin.buffer, "<stdin>", skip_invalid)
+                sniffer = _FormatSniffer(sys.stdin.buffer)
+                res = bank.add_stream(sniffer, "<stdin>", skip_invalid)
             else:
                 path = Path(name)
                 if not path.is_file():
                     raise LopdError(f"{name}: file not found")
                 with progress(transient=True) as bar, open(path, "rb") as f:
                     task = bar.add_task(path.name, total=os.path.getsize(path), info="bytes")
-                    res = bank.add_stream(bar.wrap_file(f, task_id=task), name, skip_invalid)
+                    sniffer = _FormatSniffer(bar.wrap_file(f, task_id=task))
+                    res = bank.add_stream(sniffer, name, skip_invalid)
             results.append(res)
+            formats.append(sniffer.format)
+            if not as_json:
+                typer.echo(f"{res.source}: format {_format_label(sniffer.format)}", err=True)
             for line, reason in res.invalid_lines:
                 typer.echo(f"{res.source}:{line}: {reason}" + (" (skipped)" if skip_invalid else ""), err=True)
             if res.invalid > len(res.invalid_lines):
@@ -77,7 +106,8 @@ def add_rollouts(
     totals = {k: sum(getattr(r, k) for r in results) for k in ("added", "duplicates", "invalid", "successes")}
     rejected = [r.source for r in results if not r.written]
     if as_json:
-        print_json(dict(files=[r.as_dict() for r in results], **totals, rejected=rejected))
+        print_json(dict(files=[{**r.as_dict(), "format": fmt} for r, fmt in zip(results, formats)],
+                        **totals, rejected=rejected))
     else:
         for r in results:
             state = "" if r.written else "  (rejected: nothing written)"
