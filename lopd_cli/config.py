@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lopd_cli.errors import LopdError
 
@@ -59,7 +59,10 @@ class BankSection(Section):
     index_dir: str = "index"
     embedder: str = "all-minilm-l6-v2"
     embed_text: Literal["instruction", "instruction+trajectory"] = "instruction"
-    min_reward: float = 0.8
+    # Which rollouts are experience (successful): reward ≥ min_reward. Default: the recipe's success
+    # threshold `eval.success_threshold` (1.0; filled in by Recipe), so partial successes are not
+    # experience.
+    min_reward: float = 1.0
     n_retrieve: int = Field(3, ge=1)
     allow_self_retrieval: bool = False
     obs_char_budget: int = Field(600, ge=20)  # observation-lite: max chars kept per tool output
@@ -74,12 +77,27 @@ class ComposerSection(Section):
     share_layers: bool = True
     encoder_lora: LoraConfig = LoraConfig(r=8, alpha=16.0, dropout=0.0)
     max_item_tokens: int = Field(1024, ge=16)  # truncation of one rendered reference trajectory
+    # What χ's cross-attention reads as keys/values of a retrieved item: "content" = the
+    # trajectory's own text (message contents, tool names and arguments), with the chat markup and
+    # the item's copy of the task frame ("Task to solve: … Reference past trajectory:") masked
+    # out, so the template repeated in every item cannot dominate the pooled latents; "all" =
+    # every token (the reference code). The encoder ψ reads the whole text either way.
+    key_tokens: Literal["content", "all"] = "content"
 
 
 class ColdstartSection(Section):
     steps: int = Field(200, ge=0)
     batch_size: int = Field(4, ge=1)
     lr: float = Field(1e-4, gt=0)
+    # Separate learning rates for ψ (encoder LoRA) and χ (resampler); None: `lr`. Both ramp up
+    # linearly from 0 over `warmup_steps` (a fresh χ under full-size Adam steps amplifies the
+    # component shared by every item before it has learnt to read them).
+    lr_encoder: float | None = Field(None, gt=0)
+    lr_resampler: float | None = Field(None, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    # Contrastive term: weight · mean max(0, NLL(own refs) − NLL(another task's refs) + margin).
+    contrastive_weight: float = Field(1.0, ge=0.0)
+    contrastive_margin: float = Field(0.1, ge=0.0)  # nats per token
     clip_lora: float = Field(3.0, gt=0)
     clip_qformer: float = Field(30.0, gt=0)
     eval_every: int = Field(50, ge=1)
@@ -95,10 +113,23 @@ class TrainSection(Section):
     steps: int = Field(100, ge=0)
     lr: float = Field(1e-4, gt=0)  # student; LoRA wants more than the paper's full-FT 1e-5
     composer_lr: float = Field(1e-5, gt=0)
+    # The composer phase: ψ's and χ's own learning rates (None: composer_lr) and their linear
+    # warm-up (steps); a contrastive term on the step's successful rollouts (see coldstart).
+    composer_lr_encoder: float | None = Field(None, gt=0)
+    composer_lr_resampler: float | None = Field(None, gt=0)
+    composer_warmup_steps: int = Field(5, ge=0)
+    contrastive_weight: float = Field(0.0, ge=0.0)
+    contrastive_margin: float = Field(0.1, ge=0.0)
     top_m: int = Field(20, ge=1)
     margin_m: float = 0.05
-    anchor_lambda: float = Field(0.2, ge=0.0)
-    eta_beta: float = Field(0.5, ge=0.0)
+    # Δ's form: "centred" = sequence mean of 2(r − r̄)·δ (privilege: the teacher beats the student
+    # more on successes than on failures); "paper" = token mean of (2r − 1)·δ, which a teacher
+    # that merely differs from the student satisfies when most rollouts fail. train/losses.py.
+    margin_advantage: Literal["centred", "paper"] = "centred"
+    anchor_lambda: float = Field(0.2, ge=0.0)  # weight of ‖c − c0‖² (summed over a task's elements)
+    # Dual step β += η (m − Δ); Δ is in nats per token, so η = 10 (= the paper's 0.5 / m) raises β
+    # by 0.5 for a shortfall of one default margin (the paper's 0.5 moves β ≤ 0.025 a step).
+    eta_beta: float = Field(10.0, ge=0.0)
     beta0: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0)
     freeze_composer: bool = False
@@ -110,6 +141,11 @@ class TrainSection(Section):
     save_every: int = Field(50, ge=1)
     eval_every: int = Field(0, ge=0)  # 0: no periodic validation
     eval_n: int = Field(32, ge=1)
+    # Composer health at every eval: task spread of c_φ and the own-vs-shuffled teacher NLL gap on
+    # this many held-out bank trajectories (the cold start's validation tasks); a warning when the
+    # spread falls below min_task_spread (the composer has become a fixed prompt).
+    health_n: int = Field(16, ge=0)
+    min_task_spread: float = Field(0.01, ge=0.0)
     max_nonfinite: int = Field(3, ge=1)
     tensorboard: bool = False
     keep_last: int | None = Field(None, ge=1)  # keep only the newest N checkpoints
@@ -150,6 +186,20 @@ class Recipe(Section):
     @property
     def base_dir(self) -> Path:
         return self.source.parent if self.source else Path.cwd()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_min_reward(cls, data: Any) -> Any:
+        """bank.min_reward unset (or null): the bank's success threshold is eval's."""
+        if not isinstance(data, dict) or not isinstance(data.get("bank", {}) or {}, dict):
+            return data
+        bank = dict(data.get("bank") or {})
+        if bank.get("min_reward") is None:
+            ev = data.get("eval") or {}
+            thr = ev.get("success_threshold") if isinstance(ev, dict) else getattr(ev, "success_threshold", None)
+            bank["min_reward"] = 1.0 if thr is None else thr
+            data = {**data, "bank": bank}
+        return data
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)

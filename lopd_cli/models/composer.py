@@ -14,6 +14,12 @@ backbone's input-embedding entries instead of 1, so latents enter the teacher at
 ordinary token embeddings (a LayerNorm with gain 1 gives rows of norm √d: 11.3 on the tiny
 model, whose token embeddings have norm 0.23).
 
+Keys of the cross-attention (`composer.key_tokens`, default "content"): χ reads only the
+trajectory's content tokens — the task frame and the chat markup, the same in every item, are
+masked out of its keys and values (the encoder still reads them as context). With uniform
+attention at init, a pooled latent is otherwise mostly template. Measured on tiny in
+benchmarks/RESULTS.md ("composer keys").
+
 What it simplifies: the retrieved item's system prompt and tool schemas are left out of its
 rendering (the teacher already sees both in its own prompt, and they would use up the
 max_item_tokens budget); truncation keeps the first max_item_tokens tokens.
@@ -94,6 +100,7 @@ class PerceiverAttention(nn.Module):
         self.to_out = nn.Linear(inner, dim, bias=False)
 
     def forward(self, x: torch.Tensor, latents: torch.Tensor, x_mask: torch.Tensor) -> torch.Tensor:
+        """x_mask (b, n): 1 on the inputs the latents may read (real tokens, or only their content)."""
         b, n, _ = x.shape
         m = latents.shape[1]
         x = self.norm_inputs(x)
@@ -131,13 +138,16 @@ class Resampler(nn.Module):
         self.proj_out = nn.Linear(d, d)
         self.norm_out = nn.LayerNorm(d)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x: (N, L, d), mask: (N, L) with 1 on real tokens → (N, K, d)."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (N, L, d), mask: (N, L) with 1 on real tokens → (N, K, d). `key_mask` (N, L): the
+        inputs the cross-attention may read (default: every real token); the latents themselves
+        are always keys too, so a row with no readable input is still well defined."""
         x = self.proj_in(x)
+        keys = mask if key_mask is None else (key_mask.bool() & mask.bool())
         latents = self.queries.unsqueeze(0).expand(x.shape[0], -1, -1)
         for i in range(self.dims.depth):
             j = 0 if self.dims.share_layers else i
-            latents = latents + self.attn[j](x, latents, mask)
+            latents = latents + self.attn[j](x, latents, keys)
             latents = latents + self.ff[j](latents)
         return self.norm_out(self.proj_out(latents))
 
@@ -156,6 +166,63 @@ def render_item_text(tokenizer, task_instruction: str, item: ReferenceItem, obs_
     messages = [m for m in lite_messages(item.messages, obs_char_budget) if m.get("role") != "system"]
     trajectory = render_text(tokenizer, messages, None, add_generation_prompt=False)
     return TASK_HEAD + task_instruction.rstrip() + TASK_TAIL + trajectory
+
+
+def _content_pieces(message: dict) -> list[str]:
+    """The strings of a message that are its content (not chat markup): text, tool names, and the
+    keys and values of tool-call arguments."""
+    out: list[str] = []
+    content = message.get("content")
+    if isinstance(content, str) and content.strip():
+        out.append(content.strip())
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        if fn.get("name"):
+            out.append(str(fn["name"]))
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                out.append(args.strip())
+                continue
+        if isinstance(args, dict):
+            for k, v in args.items():
+                out.append(str(k))
+                out.append(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+    return [p for p in out if p]
+
+
+def render_item(tokenizer, task_instruction: str, item: ReferenceItem, obs_char_budget: int) -> tuple[str, list[tuple[int, int]]]:
+    """`render_item_text` and the character spans of its content: each content piece of the
+    trajectory's messages found, in order, in the rendered text. Everything else — the task frame
+    ("Task to solve:\n{task}\n\nReference past trajectory:\n", the same in every item of a task)
+    and the chat template's markup (role headers, end-of-turn tokens, tool-call scaffolding) — is
+    not content. A piece the template rendered differently is simply not found (left as markup)."""
+    from lopd_cli.bank.lite import lite_messages
+
+    text = render_item_text(tokenizer, task_instruction, item, obs_char_budget)
+    cursor = len(TASK_HEAD + task_instruction.rstrip() + TASK_TAIL)
+    spans: list[tuple[int, int]] = []
+    for m in lite_messages(item.messages, obs_char_budget):
+        if m.get("role") == "system":
+            continue
+        for piece in _content_pieces(m):
+            at = text.find(piece, cursor)
+            if at >= 0:
+                spans.append((at, at + len(piece)))
+                cursor = at + len(piece)
+    return text, spans
+
+
+def content_token_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for a token whose characters overlap a content span, else 0."""
+    out, j = [], 0
+    for a, b in offsets:
+        while j < len(spans) and spans[j][1] <= a:
+            j += 1
+        out.append(int(j < len(spans) and spans[j][0] < b and a < spans[j][1] and b > a))
+    return out
 
 
 def decoder_of(model) -> nn.Module:
@@ -180,6 +247,7 @@ class Composer(nn.Module):
         self.adapter = adapter
         self.tokenizer = tokenizer
         self.max_item_tokens = composer_cfg.max_item_tokens
+        self.key_tokens = getattr(composer_cfg, "key_tokens", "all")
         self.obs_char_budget = obs_char_budget
         self.encode_batch_size = encode_batch_size
         self.dims = ResamplerDims.from_backbone(model.config, composer_cfg)
@@ -197,18 +265,34 @@ class Composer(nn.Module):
         return self.dims.num_queries
 
     def item_token_ids(self, task_instruction: str, item: ReferenceItem) -> list[int]:
-        text = render_item_text(self.tokenizer, task_instruction, item, self.obs_char_budget)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids[: self.max_item_tokens]
+        return self.item_tokens(task_instruction, item)[0]
 
-    def encode_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Token sequences → latents (N, K, d), encoded `encode_batch_size` at a time."""
+    def item_tokens(self, task_instruction: str, item: ReferenceItem) -> tuple[list[int], list[int] | None]:
+        """(token ids, key mask) of one item, truncated to max_item_tokens. The key mask (1 =
+        χ may read the token) is None with `key_tokens: all`, or when the tokenizer cannot map
+        tokens to characters (a slow tokenizer: every token is read)."""
+        if self.key_tokens == "all" or not getattr(self.tokenizer, "is_fast", False):
+            text = render_item_text(self.tokenizer, task_instruction, item, self.obs_char_budget)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_item_tokens], None
+        text, spans = render_item(self.tokenizer, task_instruction, item, self.obs_char_budget)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        keys = content_token_mask(enc["offset_mapping"], spans)
+        return enc["input_ids"][: self.max_item_tokens], keys[: self.max_item_tokens]
+
+    def encode_ids(self, sequences: Sequence[Sequence[int]], key_masks: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
+        """Token sequences → latents (N, K, d), encoded `encode_batch_size` at a time. `key_masks`:
+        per sequence, which tokens χ reads (None: all of them)."""
         out = []
         for start in range(0, len(sequences), self.encode_batch_size):
             chunk = sequences[start : start + self.encode_batch_size]
             hidden, mask = self._encode_chunk(chunk)
             hidden = hidden.to(self.resampler.queries.dtype)
-            out.append(self.resampler(hidden, mask))
+            keys = None
+            if key_masks is not None and any(k is not None for k in key_masks[start : start + self.encode_batch_size]):
+                keys = torch.zeros_like(mask)
+                for i, (s, k) in enumerate(zip(chunk, key_masks[start : start + self.encode_batch_size])):
+                    keys[i, : len(s)] = torch.tensor(list(k) if k is not None else [1] * len(s), dtype=mask.dtype)
+            out.append(self.resampler(hidden, mask, keys))
         if not out:
             d = self.dims.dim
             return self.resampler.queries.new_zeros(0, self.dims.num_queries, d)
@@ -241,8 +325,8 @@ class Composer(nn.Module):
                 "the bank holds too few tasks for bank.n_retrieve"
             )
         n = counts.pop()
-        seqs = [self.item_token_ids(instr, it) for items, instr in zip(items_per_task, task_instructions) for it in items]
-        latents = self.encode_ids(seqs)
+        toks = [self.item_tokens(instr, it) for items, instr in zip(items_per_task, task_instructions) for it in items]
+        latents = self.encode_ids([t[0] for t in toks], [t[1] for t in toks])
         return latents.reshape(len(items_per_task), n * self.dims.num_queries, self.dims.dim)
 
     # -----------------------------------------------------------------------------------------
@@ -254,6 +338,7 @@ class Composer(nn.Module):
             "format_version": FORMAT_VERSION,
             "dims": asdict(self.dims),
             "max_item_tokens": self.max_item_tokens,
+            "key_tokens": self.key_tokens,
             "obs_char_budget": self.obs_char_budget,
             "backbone_fingerprint": backbone_fp,
             "embedder_fingerprint": embedder_fp,
@@ -303,6 +388,8 @@ class Composer(nn.Module):
                 "ff_mult": dims["ff_mult"],
                 "share_layers": dims["share_layers"],
                 "max_item_tokens": manifest.get("max_item_tokens", base.max_item_tokens),
+                # what χ was trained to read; composers saved before the key exists read everything
+                "key_tokens": manifest.get("key_tokens", "all"),
             }
         )
         if frozen:

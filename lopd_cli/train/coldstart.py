@@ -3,8 +3,12 @@
 For a successful bank rollout τ of task x, retrieve n_ret other successful rollouts (never of
 x's own task or instruction), compose c_φ, and train φ so the teacher — the frozen backbone with
 c_φ in its prompt — gives τ's action tokens high likelihood: loss = mean NLL over those tokens.
-AdamW over χ and the encoder LoRA, each clipped by its own norm (`coldstart.clip_qformer`,
-`coldstart.clip_lora`). Held-out successful rollouts (whole tasks, `coldstart.val_fraction`)
+Plus, with `coldstart.contrastive_weight` > 0, a hinge that makes the teacher's NLL with the
+task's own references beat its NLL with another task's by `coldstart.contrastive_margin`.
+AdamW over χ and the encoder LoRA, each at its own learning rate (`coldstart.lr_resampler`,
+`coldstart.lr_encoder`), both ramped up linearly over `coldstart.warmup_steps`, each clipped by
+its own norm (`coldstart.clip_qformer`, `coldstart.clip_lora`). Every eval also logs the
+latents' task spread and the own-vs-shuffled NLL gap (`composer_health`). Held-out successful rollouts (whole tasks, `coldstart.val_fraction`)
 give the validation NLL every `coldstart.eval_every` steps.
 
 Output in the run folder: composer/ (qformer.safetensors, encoder/ adapter, manifest.json,
@@ -138,47 +142,60 @@ def same_norm_random(latents: torch.Tensor, generator: torch.Generator | None = 
     return noise / noise.norm(dim=-1, keepdim=True) * latents.norm(dim=-1, keepdim=True)
 
 
-def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example], mode: str = "learned",
-                batch_size: int = 8, seed: int = 0, obs_char_budget: int = 600, text_max_chars: int = 1536) -> float:
-    """Per-token NLL of the examples' action tokens under the teacher, no grad.
+def teacher_example_logprobs(model, tokenizer, composer: Composer, examples: Sequence[Example], mode: str = "learned",
+                             batch_size: int = 8, seed: int = 0, obs_char_budget: int = 600, text_max_chars: int = 1536,
+                             partners: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """log p_teacher of each example's action tokens (one tensor per example, in order), no grad.
 
     mode: "learned" (c_φ of the retrieved items), "random" (random latents with c_φ's per-row
     norms), "zeros" (the framed block with all-zero latents: the framing alone), "shuffled" (c_φ
     of another example's retrieved items: latents of the right form without this task's
-    information), "text" (the retrieved items as plain text in the same frame: OPSD's teacher,
-    what the references can tell a teacher that reads them verbatim), "none" (no reference block)."""
+    information), "other" (c_φ of the items of example `partners[i]`, see `check.other_task_partners`),
+    "text" (the retrieved items as plain text in the same frame: OPSD's teacher, what the
+    references can tell a teacher that reads them verbatim), "none" (no reference block)."""
     gen = torch.Generator().manual_seed(seed)
     all_refs = [ex.refs for ex in examples]
     if mode == "shuffled":  # rotate over the whole set, so no batch boundary hands back its own
         all_refs = all_refs[1:] + all_refs[:1]
-    total, count = 0.0, 0
+    elif mode == "other":
+        if partners is None:
+            raise ValueError("mode 'other' needs partners")
+        all_refs = [all_refs[j] for j in partners]
+    out: list[torch.Tensor] = []
     with torch.no_grad():
         for start in range(0, len(examples), batch_size):
             chunk = examples[start : start + batch_size]
             eps = [ex.episode for ex in chunk]
+            refs = all_refs[start : start + batch_size]
             if mode == "none":
                 lp = plain_teacher_token_logprobs(model, eps)
             elif mode == "text":
-                refs = all_refs[start : start + batch_size]
                 batch = build_teacher_batch(eps, tokenizer, 0, prompt_fn=lambda b, ep: text_teacher_prompt_ids(
                     tokenizer, ep.prompt_messages, ep.task.tools, refs[b], obs_char_budget, text_max_chars))
                 device = next(model.parameters()).device
                 empty = torch.zeros((len(eps), 0, model.get_input_embeddings().embedding_dim), device=device)
                 lp = teacher_token_logprobs(model, batch.to(device), empty)
             else:
-                refs = all_refs[start : start + batch_size]
                 latents = composer(refs, [e.task.instruction for e in eps])
                 if mode == "random":
                     latents = same_norm_random(latents, gen)
                 elif mode == "zeros":
                     latents = torch.zeros_like(latents)
-                elif mode not in ("learned", "shuffled"):
+                elif mode not in ("learned", "shuffled", "other"):
                     raise ValueError(f"unknown mode {mode!r}")
                 batch = build_teacher_batch(eps, tokenizer, latents.shape[1]).to(latents.device)
                 lp = teacher_token_logprobs(model, batch, latents)
-            total += float(-lp.sum())
-            count += lp.numel()
-    return total / max(count, 1)
+            out += list(lp.float().cpu().split([sum(e.action_mask) for e in eps]))
+    return out
+
+
+def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example], mode: str = "learned",
+                batch_size: int = 8, seed: int = 0, obs_char_budget: int = 600, text_max_chars: int = 1536) -> float:
+    """Per-token NLL of the examples' action tokens under the teacher (modes: `teacher_example_logprobs`)."""
+    lps = teacher_example_logprobs(model, tokenizer, composer, examples, mode, batch_size, seed, obs_char_budget,
+                                   text_max_chars)
+    count = sum(lp.numel() for lp in lps)
+    return float(-sum(lp.sum() for lp in lps)) / max(count, 1)
 
 
 def latent_task_spread(composer: Composer, examples: Sequence[Example], batch_size: int = 8) -> float:
@@ -195,27 +212,108 @@ def latent_task_spread(composer: Composer, examples: Sequence[Example], batch_si
 # ------------------------------------------------------------------------------ training
 
 
+def composer_health(model, tokenizer, composer: Composer, examples: Sequence[Example], batch_size: int = 8) -> dict:
+    """Is the composer still about the task? On held-out examples: the latents' task spread, the
+    teacher NLL with each example's own references and with another example's ("shuffled"), and
+    their gap (shuffled − own; > 0: the references the teacher reads matter). No grad."""
+    if len(examples) < 2:
+        return {}
+    own = teacher_nll(model, tokenizer, composer, examples, "learned", batch_size=batch_size)
+    other = teacher_nll(model, tokenizer, composer, examples, "shuffled", batch_size=batch_size)
+    return {"latent_task_spread": latent_task_spread(composer, examples, batch_size),
+            "nll_own": own, "nll_shuffled": other, "nll_gap": other - own}
+
+
+def collapse_message(spread: float, threshold: float, where: str) -> str:
+    """The one-line warning when the latents stop depending on what was retrieved."""
+    return (f"{where}: the composer has collapsed into a fixed prompt: latent task spread "
+            f"{100 * spread:.2f} % < {100 * threshold:.2f} % (train.min_task_spread); its latents barely "
+            "depend on the retrieved references (see composer/nll_gap)")
+
+
 def composer_param_groups(model, composer: Composer) -> tuple[list, list]:
+    """(ψ = the encoder LoRA's parameters, χ = the resampler's)."""
     from lopd_cli.models.adapters import ENCODER, adapter_parameters
 
     return adapter_parameters(model, ENCODER), list(composer.resampler.parameters())
 
 
+def composer_optimizer(model, composer: Composer, lr_encoder: float, lr_resampler: float, warmup_steps: int,
+                       weight_decay: float = 0.0) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with ψ (group 0) and χ (group 1) at their own learning rates, both ramped up
+    linearly over `warmup_steps` optimiser steps (step s runs at (s+1)/warmup of the rate)."""
+    lora, chi = composer_param_groups(model, composer)
+    opt = torch.optim.AdamW([{"params": lora, "lr": lr_encoder, "name": "encoder"},
+                             {"params": chi, "lr": lr_resampler, "name": "resampler"}],
+                            lr=lr_resampler, weight_decay=weight_decay)
+    warm = max(0, int(warmup_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    return opt, sched
+
+
+def per_sequence_nll(lp: torch.Tensor, batch_index: torch.Tensor, n: int) -> torch.Tensor:
+    """Token-mean NLL of each sequence from flattened token log-probs (TeacherBatch order)."""
+    tot = lp.new_zeros(n).index_add(0, batch_index, -lp)
+    cnt = lp.new_zeros(n).index_add(0, batch_index, torch.ones_like(lp))
+    return tot / cnt.clamp_min(1.0)
+
+
+def other_task_order(task_keys: Sequence[str]) -> tuple[list[int], list[bool]]:
+    """For each example the index of another example to borrow references from (the previous one,
+    cyclically) and whether that one is of a different task (pairs of the same task are left out
+    of the contrastive term)."""
+    n = len(task_keys)
+    perm = [(i - 1) % n for i in range(n)]
+    return perm, [n > 1 and task_keys[j] != task_keys[i] for i, j in enumerate(perm)]
+
+
+def contrastive_term(model, tokenizer, episodes: Sequence[Episode], latents: torch.Tensor, batch: TeacherBatch,
+                     lp_own: torch.Tensor, task_keys: Sequence[str], margin: float) -> torch.Tensor:
+    """hinge(NLL with own references − NLL with another task's references + margin), batch mean.
+
+    The other task's latents are this batch's own, rolled by one (no extra encoder pass), so the
+    gradient reaches ψ and χ through both sides. 0 (a graph) when no pair has different tasks."""
+    from lopd_cli.train.losses import contrastive_hinge
+
+    perm, ok = other_task_order(task_keys)
+    keep = torch.tensor(ok, device=latents.device)
+    if not keep.any():
+        return latents.sum() * 0.0
+    lp_other = teacher_token_logprobs(model, batch, latents[torch.tensor(perm, device=latents.device)])
+    n = len(episodes)
+    own = per_sequence_nll(lp_own, batch.batch_index, n)
+    other = per_sequence_nll(lp_other, batch.batch_index, n)
+    return contrastive_hinge(own[keep], other[keep], margin)
+
+
 def coldstart_step(model, tokenizer, composer: Composer, examples: Sequence[Example], optimizer,
-                   clip_lora: float, clip_qformer: float) -> dict:
+                   clip_lora: float, clip_qformer: float, contrastive_weight: float = 0.0,
+                   contrastive_margin: float = 0.1, scheduler=None) -> dict:
+    """One step: loss = mean NLL of the examples' action tokens under the teacher with c_φ of
+    their references + contrastive_weight · `contrastive_term`. ψ and χ are clipped separately."""
     lora, chi = composer_param_groups(model, composer)
     eps = [ex.episode for ex in examples]
     latents = composer([ex.refs for ex in examples], [e.task.instruction for e in eps])
     batch = build_teacher_batch(eps, tokenizer, latents.shape[1]).to(latents.device)
     lp = teacher_token_logprobs(model, batch, latents)
-    loss = -lp.mean()
+    nll = -lp.mean()
+    loss = nll
+    row: dict = {}
+    if contrastive_weight > 0:
+        hinge = contrastive_term(model, tokenizer, eps, latents, batch, lp, [e.task.id for e in eps],
+                                 contrastive_margin)
+        loss = loss + float(contrastive_weight) * hinge
+        row["contrastive"] = float(hinge.detach())
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     g_lora = torch.nn.utils.clip_grad_norm_(lora, clip_lora)
     g_chi = torch.nn.utils.clip_grad_norm_(chi, clip_qformer)
     optimizer.step()
-    return {"loss": loss.item(), "grad_norm_lora": float(g_lora), "grad_norm_qformer": float(g_chi),
-            "tokens": lp.numel(), "latent_norm": float(latents.detach().norm(dim=-1).mean())}
+    if scheduler is not None:
+        scheduler.step()
+    return {"loss": nll.item(), **row, "grad_norm_lora": float(g_lora), "grad_norm_qformer": float(g_chi),
+            "tokens": lp.numel(), "latent_norm": float(latents.detach().norm(dim=-1).mean()),
+            "lr_encoder": optimizer.param_groups[0]["lr"], "lr_resampler": optimizer.param_groups[1]["lr"]}
 
 
 def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example], val: Sequence[Example], cfg,
@@ -230,8 +328,8 @@ def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example
                         "n_retrieve + 1 different tasks; see `lopd bank stats`)")
     set_trainable(model, [ENCODER])
     composer.resampler.requires_grad_(True)
-    lora, chi = composer_param_groups(model, composer)
-    optimizer = torch.optim.AdamW([{"params": lora}, {"params": chi}], lr=cfg.lr, weight_decay=0.0)
+    optimizer, scheduler = composer_optimizer(model, composer, cfg.lr_encoder or cfg.lr, cfg.lr_resampler or cfg.lr,
+                                              cfg.warmup_steps)
     sampler = TaskSampler(len(train), cfg.seed)
     torch.manual_seed(cfg.seed)
     history: list[dict] = []
@@ -240,10 +338,14 @@ def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example
     for step in range(1, cfg.steps + 1):
         idx = sampler.take(min(cfg.batch_size, len(train)))
         row = {"step": step, **coldstart_step(model, tokenizer, composer, [train[i] for i in idx], optimizer,
-                                              cfg.clip_lora, cfg.clip_qformer)}
+                                              cfg.clip_lora, cfg.clip_qformer, cfg.contrastive_weight,
+                                              cfg.contrastive_margin, scheduler)}
         if val and (step % cfg.eval_every == 0 or step == cfg.steps):
-            val_nll = teacher_nll(model, tokenizer, composer, val, "learned", batch_size=cfg.batch_size)
+            health = composer_health(model, tokenizer, composer, val, cfg.batch_size)
+            val_nll = health["nll_own"] if health else teacher_nll(model, tokenizer, composer, val, "learned",
+                                                                   batch_size=cfg.batch_size)
             row["val_nll"] = val_nll
+            row.update({f"composer/{k}": v for k, v in health.items() if k in ("latent_task_spread", "nll_gap")})
         history.append(row)
         log(row)
         on_step(step, row)

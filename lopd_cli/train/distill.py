@@ -4,15 +4,23 @@
        c_φ from the composer in the placeholder positions; OPSD: the retrieved trajectories as
        plain text — keeping the top-M ids per action token;
     3. student pass: reverse KL(p̃^S ‖ sg p̃^T) on those ids + tail, gradients into θ;
-    4. composer pass (LOPD, composer not frozen): KL(sg p̃^S ‖ p̃^T) + β(m − Δ) + λ·anchor,
-       gradients into φ; then the dual step on β (done by the caller, from the returned Δ).
+    4. composer pass (LOPD, composer not frozen): KL(sg p̃^S ‖ p̃^T) + β(m − Δ) + λ·anchor
+       (+ w·contrastive hinge on the successful rollouts), gradients into φ; then the dual step on
+       β (done by the caller, from the returned Δ, and only when Δ is defined).
+
+Δ's form is `margin_advantage`: "centred" (default) = sequence mean of 2(r − r̄)·δ with r̄ the
+mean reward of the whole step's batch (over ranks too), or of each task's rollouts when tasks
+repeat; "paper" = token mean of (2r − 1)·δ (losses.centred_margin / privileged_margin). A
+centred Δ of a batch whose rewards are all equal is 0 by construction and says nothing:
+`margin_defined` is then False.
 
 What it simplifies relative to the reference code: φ does not change between phases 2 and 4, so
 one teacher forward *with* gradient serves both the student's targets (detached) and the
 composer's loss; the composer's KL and Δ use the student's log-probs from the student pass (before
 its update, detached), so the student's lm_head runs once per micro-batch.
 Micro-batches accumulate gradients with weights that make the sums equal to the full-batch
-losses (sequence means weight by sequences, Δ by tokens, the anchor by tasks).
+losses (sequence means weight by sequences, the paper's Δ by tokens, the anchor by tasks, the
+contrastive hinge by successful rollouts).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch
 from lopd_cli.agent.types import Episode
 from lopd_cli.models.adapters import use_student
 from lopd_cli.models.latent import build_teacher_batch, output_head, teacher_hidden
+from lopd_cli.train import distributed as dist
 from lopd_cli.train import losses
 from lopd_cli.train.batch import BatchTotals, collate, student_hidden, to_student_layout
 
@@ -43,6 +52,10 @@ class DistillSetup:
     latents0: Callable[[list[str], list[list]], torch.Tensor] | None = None  # anchor targets
     text_prompt: Callable[[Episode, list], list[int]] | None = None  # OPSD teacher prompt ids
     autocast: bool = False
+    margin_advantage: str = "centred"  # "centred" | "paper"
+    contrastive_weight: float = 0.0  # composer pass: weight of the own-vs-other-references hinge
+    contrastive_margin: float = 0.1
+    success_threshold: float = 1.0  # rollouts at or above it take part in the contrastive term
 
 
 @dataclass
@@ -52,6 +65,8 @@ class DistillOutcome:
     delta: float = 0.0
     anchor: float = 0.0
     composer_loss: float = 0.0
+    contrastive: float = 0.0
+    margin_defined: bool = True  # False: centred Δ on a batch with no reward spread (no dual step)
     n_tokens: int = 0
     seconds: dict = field(default_factory=dict)
     finite: bool = True
@@ -81,6 +96,8 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
     out = DistillOutcome(n_tokens=full.n_tokens)
     t_teacher = t_student = t_composer = 0.0
     lopd = setup.composer is not None
+    adv_full, out.margin_defined = _margin_advantages(setup, episodes, full)
+    n_succ_total = _n_successes(setup, full) if lopd and setup.contrastive_weight > 0 else 0
     n_latents = setup.composer.latents_per_item * len(refs[0]) if lopd and refs and refs[0] else 0
     for lo in range(0, len(episodes), setup.micro_batch):
         eps = list(episodes[lo : lo + setup.micro_batch])
@@ -133,7 +150,11 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
                     t_pred, head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk
                 )
                 ckl = losses.topm_reverse_kl(s_topm, t_topm, sb.mask, detach="student")
-                delta = losses.privileged_margin(t_tok, s_tok, sb.rewards, sb.mask)
+                if setup.margin_advantage == "paper":
+                    delta, w_delta = losses.privileged_margin(t_tok, s_tok, sb.rewards, sb.mask), w_tok
+                else:
+                    adv = adv_full[lo : lo + setup.micro_batch].to(t_tok.device)
+                    delta, w_delta = losses.centred_margin(t_tok, s_tok, adv, sb.mask), w_seq
                 anchor = (
                     losses.anchor_loss(latents, setup.latents0(instrs, mrefs).to(latents.device))
                     if setup.latents0 is not None and setup.anchor_lambda > 0
@@ -141,19 +162,76 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
                 )
                 # = w·(KL + β(m − Δ) + λ·anchor) with each term weighted by what it averages over
                 # (β·m is a constant: it has no gradient and is left out).
-                obj = w_seq * ckl.loss - beta * w_tok * delta + setup.anchor_lambda * w_task * anchor
+                obj = w_seq * ckl.loss - beta * w_delta * delta + setup.anchor_lambda * w_task * anchor
+                if n_succ_total and grad_phi:
+                    hinge, n_pairs = _contrastive(setup, model, head, eps, tb, sb, latents, t_tok)
+                    if n_pairs:
+                        w_c = n_pairs / n_succ_total
+                        obj = obj + setup.contrastive_weight * w_c * hinge
+                        out.contrastive += float(hinge.detach()) * w_c
             if grad_phi:
                 obj.backward()
             out.composer_kl += float(ckl.loss.detach()) * w_seq
-            out.delta += float(delta.detach()) * w_tok
+            out.delta += float(delta.detach()) * w_delta
             out.anchor += float(anchor.detach()) * w_task
             t_composer += time.perf_counter() - t0
         del th, t_pred
     if lopd:
-        out.composer_loss = out.composer_kl + beta * (setup.margin_m - out.delta) + setup.anchor_lambda * out.anchor
+        out.composer_loss = (out.composer_kl + beta * (setup.margin_m - out.delta) + setup.anchor_lambda * out.anchor
+                             + setup.contrastive_weight * out.contrastive)
     out.seconds = {"teacher": t_teacher, "student": t_student, "composer": t_composer}
     out.finite = all(map(_finite, (out.kl, out.composer_kl, out.delta, out.anchor)))
     return out
+
+
+def _margin_advantages(setup: DistillSetup, episodes: Sequence[Episode], full) -> tuple[torch.Tensor | None, bool]:
+    """Centred advantages of the whole batch (r̄ over every rank's sequences, or per task when
+    tasks repeat) and whether Δ is defined (the rewards differ). Paper form: (None, True)."""
+    if setup.composer is None or setup.margin_advantage == "paper":
+        return None, True
+    valid = full.mask.sum(1) > 0
+    r = full.rewards.double()
+    rv = r[valid]
+    red = dist.all_reduce_sum({"sum": float(rv.sum()), "n": int(valid.sum())})
+    ext = dist.all_reduce_max({"max": float(rv.max()) if rv.numel() else -1e30,
+                               "negmin": -float(rv.min()) if rv.numel() else -1e30})
+    defined = red["n"] > 1 and ext["max"] > -ext["negmin"]
+    ids = [ep.task.id for ep in episodes]
+    groups = torch.tensor([ids.index(i) for i in ids])
+    adv = losses.centred_advantages(full.rewards, groups, valid, mean=red["sum"] / max(red["n"], 1))
+    if torch.unique(groups[valid]).numel() < int(valid.sum()):  # per-task groups: defined where a group varies
+        defined = bool((adv != 0).any())
+    return adv, bool(defined)
+
+
+def _successes(setup: DistillSetup, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (rewards >= setup.success_threshold) & (mask.sum(1) > 0)
+
+
+def _n_successes(setup: DistillSetup, full) -> int:
+    n = int(_successes(setup, full.rewards, full.mask).sum())
+    return int(dist.all_reduce_sum({"n": n})["n"])
+
+
+def _contrastive(setup: DistillSetup, model, head, eps, tb, sb, latents, t_tok) -> tuple[torch.Tensor, int]:
+    """The composer pass's contrastive hinge on this micro-batch's successful rollouts: the
+    teacher's NLL of each one with its own task's latents against the NLL with another task's
+    (the micro-batch's latents rolled by one). Returns (mean hinge over the pairs, pairs)."""
+    from lopd_cli.train.coldstart import other_task_order
+
+    perm, ok = other_task_order([ep.task.id for ep in eps])
+    succ = _successes(setup, sb.rewards, sb.mask).tolist()
+    keep = [i for i in range(len(eps)) if ok[i] and succ[i]]
+    if not keep:
+        return latents.sum() * 0.0, 0
+    with _autocast(setup.autocast, latents.device):
+        th_o = teacher_hidden(model, tb, latents[torch.tensor(perm, device=latents.device)])
+        pred_o = to_student_layout(th_o, tb, tuple(sb.mask.shape))
+    other = losses.chunked_token_logprobs(pred_o, head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
+    idx = torch.tensor(keep, device=latents.device)
+    nll_own = losses.per_sequence_mean(-t_tok, sb.mask)[idx]
+    nll_other = losses.per_sequence_mean(-other, sb.mask)[idx]
+    return losses.contrastive_hinge(nll_own, nll_other, setup.contrastive_margin), len(keep)
 
 
 def th_empty_latents(batch: int, device, model) -> torch.Tensor:

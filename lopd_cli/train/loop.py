@@ -74,6 +74,8 @@ class Trainer:
     retriever: Any = None
     composer: Any = None
     composer_opt: torch.optim.Optimizer | None = None
+    composer_sched: Any = None  # the composer's warm-up (LambdaLR over composer_opt)
+    health_examples: list | None = None  # held-out bank trajectories for composer health
     latents0: Callable | None = None
     latent_cache: Any = None
     composer_dir: Path | None = None
@@ -186,8 +188,12 @@ def _setup_composer(tr: Trainer) -> None:
     if recipe.train.freeze_composer:
         tr.composer.requires_grad_(False)
     else:
-        params = list(tr.composer.resampler.parameters()) + ad.adapter_parameters(tr.model, ad.ENCODER)
-        tr.composer_opt = torch.optim.AdamW(params, lr=recipe.train.composer_lr)
+        from lopd_cli.train.coldstart import composer_optimizer
+
+        t = recipe.train
+        tr.composer_opt, tr.composer_sched = composer_optimizer(
+            tr.model, tr.composer, t.composer_lr_encoder or t.composer_lr, t.composer_lr_resampler or t.composer_lr,
+            t.composer_warmup_steps, weight_decay=0.01)
     if recipe.train.anchor_lambda > 0 and not recipe.train.freeze_composer:
         composer0 = Composer.load(tr.composer_dir, tr.model, tr.tokenizer, recipe.composer,
                                   adapter="encoder0", frozen=True)
@@ -257,6 +263,37 @@ def text_reference_chars(recipe) -> int:
     return recipe.composer.max_item_tokens * 4
 
 
+def _norm(params: list[torch.nn.Parameter]) -> float:
+    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0
+
+
+def composer_health_row(tr: Trainer, step: int) -> dict[str, Any]:
+    """At every eval (LOPD): the latents' task spread and the own-vs-shuffled teacher NLL gap on
+    `train.health_n` held-out bank trajectories (the cold start's validation tasks), as
+    composer/* keys, plus a LopdWarning when the spread is below `train.min_task_spread`."""
+    import warnings
+
+    from lopd_cli.errors import LopdWarning
+    from lopd_cli.train.coldstart import collapse_message, composer_health, make_examples, split_by_task
+
+    t = tr.recipe.train
+    if tr.composer is None or tr.retriever is None or not t.health_n:
+        return {}
+    if tr.health_examples is None:
+        cs = tr.recipe.coldstart
+        items = tr.retriever.bank.items(success_only=True)
+        _, held = split_by_task(items, cs.val_fraction, cs.seed)
+        tr.health_examples = make_examples(tr.tokenizer, tr.retriever, (held or items)[: 4 * t.health_n],
+                                           tr.recipe.bank.n_retrieve, tr.recipe.rollout.max_prompt_tokens)[: t.health_n]
+    tr.model.eval()
+    h = composer_health(tr.model, tr.tokenizer, tr.composer, tr.health_examples, t.micro_batch)
+    if h and h["latent_task_spread"] < t.min_task_spread and dist.is_main():
+        warnings.warn(collapse_message(h["latent_task_spread"], t.min_task_spread, f"train step {step}"),
+                      LopdWarning, stacklevel=2)
+    return {f"composer/{k}": v for k, v in h.items()}
+
+
 def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
     params = [p for p in params if p.grad is not None]
     if not params:
@@ -295,23 +332,34 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
             tr.model, tr.tokenizer, t.top_m, t.margin_m, t.anchor_lambda, t.micro_batch, t.logit_chunk,
             composer=tr.composer, train_composer=tr.trains_composer, latents0=tr.latents0,
             text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else None,
-            autocast=tr.recipe.model.autocast_bf16,
+            autocast=tr.recipe.model.autocast_bf16, margin_advantage=t.margin_advantage,
+            contrastive_weight=t.contrastive_weight, contrastive_margin=t.contrastive_margin,
+            success_threshold=tr.recipe.eval.success_threshold,
         )
         o = distill_update(setup, episodes, refs, tr.state.beta, totals)
         if dist.is_distributed():
             red = dist.all_reduce_sum({"kl": o.kl, "composer_kl": o.composer_kl, "delta": o.delta,
-                                       "anchor": o.anchor, "n_tokens": o.n_tokens})
+                                       "anchor": o.anchor, "contrastive": o.contrastive, "n_tokens": o.n_tokens})
             o.kl, o.composer_kl, o.delta, o.anchor = red["kl"], red["composer_kl"], red["delta"], red["anchor"]
-            o.n_tokens = int(red["n_tokens"])
-            o.composer_loss = o.composer_kl + tr.state.beta * (t.margin_m - o.delta) + t.anchor_lambda * o.anchor
+            o.contrastive, o.n_tokens = red["contrastive"], int(red["n_tokens"])
+            o.composer_loss = (o.composer_kl + tr.state.beta * (t.margin_m - o.delta) + t.anchor_lambda * o.anchor
+                               + t.contrastive_weight * o.contrastive)
             o.finite = all(map(math.isfinite, (o.kl, o.composer_kl, o.delta, o.anchor)))
         row.update(loss=o.kl, kl=o.kl)
         if tr.algo == "lopd":
-            row.update(delta=o.delta, anchor=o.anchor, composer_loss=o.composer_loss)
+            # margin_binds: the constraint Δ ≥ m is violated this step (β rises); None when the
+            # centred Δ is undefined (all rewards equal: no dual step).
+            row.update(delta=o.delta, anchor=o.anchor, composer_loss=o.composer_loss,
+                       margin_defined=o.margin_defined, margin_binds=(o.delta < t.margin_m) if o.margin_defined else None)
+            if t.contrastive_weight > 0:
+                row["contrastive"] = o.contrastive
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
     comp_params = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
     dist.sum_gradients(_student_params(tr.model) + comp_params)
     student_norm = _grad_norm(_student_params(tr.model), t.grad_clip)
+    if tr.composer_opt is not None:  # ψ's and χ's own norms, before the joint clip
+        for g in tr.composer_opt.param_groups:
+            row[f"grad_norm_{g.get('name', 'composer')}"] = _norm(g["params"])
     composer_norm = _grad_norm(comp_params, t.grad_clip)
     finite = finite and math.isfinite(student_norm) and math.isfinite(composer_norm)
     row.update(grad_norm_student=student_norm, grad_norm_composer=composer_norm if tr.composer_opt else None)
@@ -319,7 +367,10 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
         tr.student_opt.step()
         if tr.composer_opt is not None:
             tr.composer_opt.step()
-            tr.state.beta = dual_update(tr.state.beta, t.margin_m, o.delta, t.eta_beta)
+            if tr.composer_sched is not None:
+                tr.composer_sched.step()
+            if o.margin_defined:
+                tr.state.beta = dual_update(tr.state.beta, t.margin_m, o.delta, t.eta_beta)
         tr.state.nonfinite_streak = 0
     else:
         tr.student_opt.zero_grad(set_to_none=True)
@@ -424,6 +475,7 @@ def save(tr: Trainer) -> Path:
         "nonfinite_streak": tr.state.nonfinite_streak, "sampler": tr.state.sampler.state_dict(),
         "student_opt": tr.student_opt.state_dict(),
         "composer_opt": tr.composer_opt.state_dict() if tr.composer_opt else None,
+        "composer_sched": tr.composer_sched.state_dict() if tr.composer_sched else None,
         "rng": ckpt.rng_state(),
     }
     meta = {"algo": tr.algo, "backbone": tr.recipe.model.backbone, "backbone_path": tr.backbone_path,
@@ -484,6 +536,8 @@ def restore(tr: Trainer, step_dir: Path) -> None:
     tr.student_opt.load_state_dict(state["student_opt"])
     if tr.composer_opt is not None and state.get("composer_opt"):
         tr.composer_opt.load_state_dict(state["composer_opt"])
+        if tr.composer_sched is not None and state.get("composer_sched"):
+            tr.composer_sched.load_state_dict(state["composer_sched"])
     tr.state.step = state["step"]
     tr.state.beta = state["beta"]
     tr.state.rollouts_total = state["rollouts_total"]
@@ -544,6 +598,7 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
             row = train_step(tr, progress)
             if t.eval_every and tr.state.step % t.eval_every == 0:
                 row.update(validate(tr, tr.state.step))
+                row.update(composer_health_row(tr, tr.state.step))
             tr.metrics.log(row)
             if on_step:
                 on_step(row)
