@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--set", action="append", default=[], help="extra recipe overrides")
     ap.add_argument("--out", default=None, help="project folder (default: a temporary one)")
     ap.add_argument("--json-out", default=None, help="also write the result to this JSON file")
+    ap.add_argument("--no-base-policy", action="store_true",
+                    help="random tiny weights instead of the tiny orders base policy (a mechanism probe: no policy build)")
     ap.add_argument("--quick", action="store_true", help="8 tasks, 2 steps, a small composer: a minute; figures mean nothing")
     args = ap.parse_args(argv)
     if args.quick:
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     from lopd_cli.train.coldstart import latent_task_spread, make_examples, split_by_task, teacher_nll, run_coldstart
 
     root = Path(args.out or tempfile.mkdtemp(prefix="lopd-coldstart-"))
-    project = create_project(root, example="orders", model=args.model, force=True)
+    project = create_project(root, example="orders", model=args.model, force=True, base_policy=not args.no_base_policy)
     overrides = [f"env.kwargs={{n_train: {args.tasks}}}", *args.set]
     if args.steps is not None:
         overrides.append(f"coldstart.steps={args.steps}")
@@ -104,6 +106,11 @@ def main(argv: list[str] | None = None) -> dict:
         "heldout_examples": len(val), "steps": summary["steps"], "coldstart_seconds": round(seconds, 1),
         "nll_learned_before": round(before, 4), **{f"nll_{k}": round(v, 4) for k, v in nll.items()},
         "latent_task_spread_before": round(spread_before, 4), "latent_task_spread": round(spread, 4),
+        "nll_gap": round(nll["shuffled"] - nll["learned"], 4),  # > 0: the composer carries its references
+        "composer_keys": recipe.composer.key_tokens, "contrastive_weight": recipe.coldstart.contrastive_weight,
+        "spread_history": [round(r["composer/latent_task_spread"], 4) for r in map(json.loads, (
+            project.runs_dir / "coldstart" / "metrics.jsonl").read_text().splitlines())
+            if "composer/latent_task_spread" in r],
         "val_nll_logged": summary["val_nll_after"], "project": str(root),
     }
     print(json.dumps(result, indent=2))

@@ -16,7 +16,8 @@ LOPD.md: "Without the margin, minimising the KL over φ pulls the teacher onto t
                so any change in Δ is the composer's doing
 
 run once per margin from the same cold-started composer. Reported per step: Δ, β and the
-composer's KL(sg S ‖ T). Anchor λ = 0.2 (the default) unless --anchor says otherwise.
+composer's KL(sg S ‖ T). Anchor λ = 0.2 (the default) unless --anchor says otherwise. Δ's form
+is `--margin-advantage` (centred, the default, or the paper's); η_β the recipe default 10.
 
     .venv/bin/python benchmarks/margin_collapse.py [--margins 0 0.5] [--steps 30]
 """
@@ -105,7 +106,8 @@ def restore(ctx: dict) -> None:
             p.copy_(v)
 
 
-def run_margin(ctx: dict, margin: float, steps: int, composer_lr: float, anchor: float, eta: float) -> list[dict]:
+def run_margin(ctx: dict, margin: float, steps: int, composer_lr: float, anchor: float, eta: float,
+               form: str = "centred") -> list[dict]:
     """`steps` LOPD updates of φ only, from the cold-started composer. Returns one row per step:
     Δ, β and the composer KL measured at that step (before its optimiser step)."""
     import torch
@@ -123,7 +125,8 @@ def run_margin(ctx: dict, margin: float, steps: int, composer_lr: float, anchor:
     student = ad.adapter_parameters(model, ad.STUDENT)
     latents0 = ctx["latents0"]
     setup = DistillSetup(model, ctx["tok"], t.top_m, margin, anchor, t.micro_batch, t.logit_chunk,
-                         composer=composer, train_composer=True, latents0=lambda i, r: latents0)
+                         composer=composer, train_composer=True, latents0=lambda i, r: latents0,
+                         margin_advantage=form)
     beta, rows = t.beta0, []
     model.train()
     for step in range(1, steps + 1):
@@ -134,8 +137,10 @@ def run_margin(ctx: dict, margin: float, steps: int, composer_lr: float, anchor:
         gn = float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], t.grad_clip))
         opt.step()
         rows.append({"step": step, "delta": o.delta, "beta": beta, "composer_kl": o.composer_kl,
-                     "anchor": o.anchor, "student_kl": o.kl, "grad_norm": gn})
-        beta = dual_update(beta, margin, o.delta, eta)
+                     "anchor": o.anchor, "student_kl": o.kl, "grad_norm": gn, "margin_defined": o.margin_defined,
+                     "margin_binds": (o.delta < margin) if o.margin_defined else None})
+        if o.margin_defined:  # as train.loop.update: no dual step when the centred Δ is undefined
+            beta = dual_update(beta, margin, o.delta, eta)
     model.eval()
     return rows
 
@@ -146,7 +151,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--composer-lr", type=float, default=1e-3)
     ap.add_argument("--anchor", type=float, default=0.2)
-    ap.add_argument("--eta-beta", type=float, default=0.5)
+    ap.add_argument("--eta-beta", type=float, default=10.0, help="train.eta_beta (recipe default 10; the paper's 0.5)")
+    ap.add_argument("--margin-advantage", choices=["centred", "paper"], default="centred",
+                    help="train.margin_advantage: Δ's form")
     ap.add_argument("--bank", type=int, default=16)
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--coldstart-steps", type=int, default=10)
@@ -171,7 +178,7 @@ def main() -> None:
           f"{sum(sum(e.action_mask) for e in eps)} action tokens")
     runs = {}
     for m in args.margins:
-        rows = run_margin(ctx, m, args.steps, args.composer_lr, args.anchor, args.eta_beta)
+        rows = run_margin(ctx, m, args.steps, args.composer_lr, args.anchor, args.eta_beta, args.margin_advantage)
         runs[str(m)] = rows
         print(f"m={m}: Δ " + " ".join(f"{r['delta']:+.3f}" for r in rows))
         print(f"      β " + " ".join(f"{r['beta']:.2f}" for r in rows))
