@@ -18,7 +18,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 _LOCK = threading.RLock()
 _OPEN: list[Any] = []  # open displays, outermost first
@@ -44,8 +44,10 @@ def fmt_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m"
 
 
-def status_line(description: str, completed: float, total: float | None, elapsed: float, info: str = "") -> str:
-    """One progress line: `rollouts 12/64 (19%) 0.52/s ETA 1m40s, 23s elapsed  info`."""
+def status_line(description: str, completed: float, total: float | None, elapsed: float, info: str = "",
+                done: bool = False) -> str:
+    """One progress line: `rollouts 12/64 (19%) 0.52/s ETA 1m40s 23s elapsed  info`, or with
+    `done` the closing one: `rollouts 64/64 (100%) 0.52/s done in 2m03s  info`."""
     rate = completed / elapsed if elapsed > 0 else 0.0
     parts = [description]
     if total:
@@ -54,9 +56,9 @@ def status_line(description: str, completed: float, total: float | None, elapsed
         parts.append(f"{completed:g} done")
     if completed:
         parts.append(f"{rate:.3g}/s" if rate >= 0.1 else f"{1 / rate:.3g}s each" if rate > 0 else "")
-    if total and rate > 0 and completed < total:
+    if total and rate > 0 and completed < total and not done:
         parts.append(f"ETA {fmt_duration((total - completed) / rate)}")
-    parts.append(f"{fmt_duration(elapsed)} elapsed")
+    parts.append(f"done in {fmt_duration(elapsed)}" if done else f"{fmt_duration(elapsed)} elapsed")
     line = " ".join(p for p in parts if p)
     return f"{line}  {info}" if info else line
 
@@ -141,7 +143,7 @@ class LogProgress:
         t.finished = True
         if t.printed:  # a closing line only for a task that lasted long enough to report
             elapsed = time.monotonic() - t.start
-            _emit(status_line(t.description, t.completed, t.total, elapsed, t.info).replace(" elapsed", "") + " done")
+            _emit(status_line(t.description, t.completed, t.total, elapsed, t.info, done=True))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every):
@@ -311,3 +313,26 @@ def heartbeat(label: str, every: float | None = None) -> Iterator[None]:
 def note_output() -> None:
     """Tell the heartbeat that something was just printed (e.g. a stage line of the demo)."""
     _LAST_LINE[0] = time.monotonic()
+
+
+@contextmanager
+def counter(description: str, total: int | None = None, transient: bool = True) -> Iterator[Callable[[int], None]]:
+    """A bar for work that reports finished items, e.g. `run_episodes(progress=tick)`."""
+    with make_progress(transient) as bar:
+        tid = bar.add_task(description, total=total, info="")
+        yield lambda k=1: bar.advance(tid, k)
+
+
+@contextmanager
+def step_counter(description: str, transient: bool = True) -> Iterator[Callable[[int, int, float], None]]:
+    """A bar for `progress(step, steps, loss)` callbacks (the tiny base-policy build); the task
+    appears on the first call, so nothing shows when the build is cached."""
+    with make_progress(transient) as bar:
+        tid: list[int] = []
+
+        def on_step(step: int, steps: int, loss: float) -> None:
+            if not tid:
+                tid.append(bar.add_task(description, total=steps, info=""))
+            bar.update(tid[0], completed=step, info=f"loss {loss:.3f}")
+
+        yield on_step

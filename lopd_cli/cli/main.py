@@ -95,13 +95,16 @@ _set_help_panels(app)
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     if issubclass(category, LopdWarning):
         typer.echo(f"warning: {message}", err=True)
-    elif _SHOW_THIRD_PARTY[0]:
-        _default_showwarning(message, category, filename, lineno, file, line)
-    # else: a library's warning (transformers' FutureWarnings, ...): shown with --debug only
+    else:  # reached with --debug only (see _filter_warnings)
+        (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
-_default_showwarning = warnings.showwarning
-_SHOW_THIRD_PARTY = [False]
+def _filter_warnings(debug: bool) -> None:
+    """Libraries' warnings (transformers' FutureWarnings, ...) are ignored unless --debug;
+    lopd's own always show. Called inside catch_warnings, so the filters end with the command."""
+    if not debug:
+        warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", category=LopdWarning)
 
 
 def _command_label(argv: list[str]) -> str:
@@ -118,10 +121,10 @@ def run(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     warnings.showwarning = _show_warning
     debug = "--debug" in argv or os.environ.get("LOPD_DEBUG") == "1"
-    _SHOW_THIRD_PARTY[0] = debug
     quiet_libraries(debug)
     try:
-        with heartbeat(_command_label(argv)):
+        with warnings.catch_warnings(), heartbeat(_command_label(argv)):
+            _filter_warnings(debug)
             app(args=argv, prog_name="lopd", standalone_mode=False)
     except LopdError as e:
         if debug:
