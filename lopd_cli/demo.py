@@ -81,6 +81,7 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
     from lopd_cli.bank.index import build_index
     from lopd_cli.bank.store import Bank
     from lopd_cli.evaluate import run_eval
+    from lopd_cli.progress import counter, step_counter
     from lopd_cli.export import export_merged
     from lopd_cli.models.backbone import load_backbone
     from lopd_cli.report import write_report
@@ -98,8 +99,8 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
     result = DemoResult(project=out.resolve())
     sets = DEMO_OVERRIDES + list(overrides or [])
 
-    with _stage(result, f"init project ({model})", say) as st:
-        project = create_project(out, example="orders", model=model)
+    with _stage(result, f"init project ({model})", say) as st, step_counter("training the tiny base policy") as on_build:
+        project = create_project(out, example="orders", model=model, progress=on_build)
         (project.root / DEMO_MARKER).write_text("made by `lopd demo`; the next demo run replaces this folder\n")
         recipe = project.load_recipe("toolcall", sets)
         search = [recipe.base_dir, project.root]
@@ -107,7 +108,9 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
 
     with _stage(result, "evaluate the base model (test split)", say) as st:
         base, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device, search)
-        result.before, _ = run_eval(recipe, base, tok, "base", success_threshold=recipe.eval.success_threshold)
+        with counter("eval base") as tick:
+            result.before, _ = run_eval(recipe, base, tok, "base", progress=tick,
+                                        success_threshold=recipe.eval.success_threshold)
         st.detail = f"success {result.before.success.estimate:.1%}, reward {result.before.reward.estimate:.3f}"
 
     with _stage(result, f"{AGENT_LOGS} logged rollouts of your agent into the bank", say) as st:
@@ -125,9 +128,9 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
     with _stage(result, f"{bank_rollouts} student rollouts into the bank", say) as st:
         env_factory = make_env_factory(recipe)
         tasks = select_tasks(env_factory, "train", bank_rollouts)
-        with torch.no_grad():
+        with torch.no_grad(), counter("rollouts", len(tasks)) as tick:
             eps = run_episodes(base, tok, env_factory, tasks, recipe.rollout, seed=recipe.train.seed,
-                               reward_fn=load_reward(recipe),
+                               reward_fn=load_reward(recipe), progress=tick,
                                meta={"model": recipe.model.backbone, "split": "train", "generated_by": "lopd"})
         del base
         with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
@@ -135,11 +138,11 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
         st.detail = f"{res.added} added, {res.successes} successful"
 
     with _stage(result, "index the bank", say) as st:
-        rep = build_index(project, recipe, progress=False)
+        rep = build_index(project, recipe, progress=True)
         st.detail = f"{rep.total} successful rollouts indexed"
 
     with _stage(result, "cold start the composer", say) as st:
-        cs = run_coldstart(project, recipe, project.runs_dir / "coldstart", show_progress=False)
+        cs = run_coldstart(project, recipe, project.runs_dir / "coldstart", show_progress=True)
         st.detail = f"held-out teacher NLL {cs['val_nll_before']:.3f} → {cs['val_nll_after']:.3f}" if cs["val_nll_after"] else ""
 
     with _stage(result, "LOPD training", say) as st:
@@ -152,7 +155,9 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
     with _stage(result, "evaluate the trained student (test split)", say) as st:
         info = read_checkpoint(resolve_checkpoint(result.run_dir))
         student, stok = load_student(info, search_dirs=search)
-        result.after, _ = run_eval(recipe, student, stok, "LOPD student", success_threshold=recipe.eval.success_threshold)
+        with counter("eval LOPD student") as tick:
+            result.after, _ = run_eval(recipe, student, stok, "LOPD student", progress=tick,
+                                       success_threshold=recipe.eval.success_threshold)
         del student
         st.detail = f"success {result.after.success.estimate:.1%}, reward {result.after.reward.estimate:.3f}"
 
