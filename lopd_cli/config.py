@@ -109,7 +109,7 @@ class ColdstartSection(Section):
 
 
 class TrainSection(Section):
-    algo: Literal["lopd", "grpo", "opsd"] = "lopd"
+    algo: Literal["lopd", "grpo", "opsd", "sft"] = "lopd"
     steps: int = Field(100, ge=0)
     lr: float = Field(1e-4, gt=0)  # student; LoRA wants more than the paper's full-FT 1e-5
     composer_lr: float = Field(1e-5, gt=0)
@@ -153,8 +153,13 @@ class TrainSection(Section):
     # default: the newest composer saved by `lopd coldstart` in this project.
     composer_from: str | None = None
     # Rollouts already spent before training (bank filling, cold start) for budget accounting;
-    # default: LOPD/OPSD count the bank rows lopd generated (meta.generated_by == "lopd"), GRPO 0.
+    # default: LOPD/OPSD/SFT count the bank rows lopd generated (meta.generated_by == "lopd"), GRPO 0.
     prior_rollouts: int | None = Field(None, ge=0)
+    # SFT (train/sft.py): successful bank items per step; default rollout.rollouts_per_step.
+    sft_batch: int | None = Field(None, ge=1)
+    # Warm start: the student of another run (runs/RUN, or a checkpoint folder) as the initial
+    # student of this one; optimiser states start fresh.
+    init_from: str | None = None
     seed: int = 0
 
 

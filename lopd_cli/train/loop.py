@@ -1,16 +1,18 @@
-"""`lopd train`: the main job. One loop for LOPD and its baselines (GRPO, OPSD).
+"""`lopd train`: the main job. One loop for LOPD and its baselines (GRPO, OPSD, SFT).
 
 Each step:
     1. rollouts: the student (backbone + student adapter), no latents, on training tasks;
     2–4. LOPD / OPSD: teacher pass, student reverse-KL update, composer update (train/distill.py);
          GRPO: group-normalised clipped policy gradient (train/grpo.py);
     5. LOPD: the dual step on β;
+    (SFT has no rollouts: one NLL step on successful bank items, train/sft.py;)
     then bank growth (`bank.grow`), metrics, periodic validation and checkpoints.
 
 Every rollout counts toward `rollouts_total`, including those spent before training (bank
 filling, cold start: `train.prior_rollouts`), so methods compare at equal budget. Checkpoints
 hold everything needed for an exact resume: adapters, composer, optimiser states, β, RNG
-states, the task sampler's position and the counters.
+states, the task sampler's position and the counters. `train.init_from` starts the student from
+another run's (student.py `warm_start`); the optimisers start fresh.
 
 Under torchrun / accelerate launch each rank rolls out its share of the step's tasks and the
 gradients are summed over ranks (train/distributed.py); in one process every helper there is
@@ -166,9 +168,13 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
         tr.embedder_fingerprint = _embedder_fp(tr.retriever)
     if t.algo == "lopd":
         _setup_composer(tr)
+    if t.algo == "sft":
+        from lopd_cli.train import sft
+
+        sft.setup(tr)
     prior = t.prior_rollouts
     if prior is None:
-        prior = lopd_generated_rollouts(project, recipe) if t.algo in ("lopd", "opsd") else 0
+        prior = lopd_generated_rollouts(project, recipe) if t.algo in ("lopd", "opsd", "sft") else 0
     tr.state.rollouts_total = prior
     return tr
 
@@ -414,6 +420,10 @@ def validate(tr: Trainer, step: int) -> dict[str, Any]:
 
 
 def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    if tr.algo == "sft":
+        from lopd_cli.train.sft import sft_step
+
+        return sft_step(tr)
     step = tr.state.step + 1
     t0 = time.perf_counter()
     tasks, group_ids = pick_tasks(tr)
@@ -476,11 +486,11 @@ def save(tr: Trainer) -> Path:
         "student_opt": tr.student_opt.state_dict(),
         "composer_opt": tr.composer_opt.state_dict() if tr.composer_opt else None,
         "composer_sched": tr.composer_sched.state_dict() if tr.composer_sched else None,
-        "rng": ckpt.rng_state(),
+        "rng": ckpt.rng_state(), "sft_ids": tr.extra.get("sft_ids"),
     }
     meta = {"algo": tr.algo, "backbone": tr.recipe.model.backbone, "backbone_path": tr.backbone_path,
             "student": tr.recipe.model.student, "rollouts_total": tr.state.rollouts_total,
-            "world_size": dist.world_size()}
+            "world_size": dist.world_size(), "init_from": tr.extra.get("init_from")}
     # Rank 0 alone writes (every rank holds the same weights and state); the others wait.
     return dist.on_main(lambda: ckpt.save_checkpoint(tr.run_dir / "checkpoints", tr.state.step, meta, state,
                                                      writers, keep_last=tr.recipe.train.keep_last))
@@ -517,19 +527,10 @@ def restore(tr: Trainer, step_dir: Path) -> None:
         raise LopdError(f"{step_dir}: checkpoint is from algo '{meta.get('algo')}', this run is '{tr.algo}'")
     check_world_size(step_dir, meta)
     state = ckpt.load_state(step_dir)
-    if ad.has_student_adapter(tr.model):
-        ad.load_adapter_weights(tr.model, ad.STUDENT, step_dir / "student")
-    else:
-        from transformers import AutoModelForCausalLM
-
-        full = AutoModelForCausalLM.from_pretrained(step_dir / "student", dtype=next(tr.model.parameters()).dtype)
-        own = dict(tr.model.get_base_model().named_parameters())
-        with torch.no_grad():
-            for k, v in full.state_dict().items():
-                for name in (k, k.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")):
-                    if name in own:
-                        own[name].copy_(v)
-                        break
+    ckpt.load_student_weights(tr.model, step_dir / "student")
+    tr.extra["init_from"] = meta.get("init_from")
+    if state.get("sft_ids") is not None:
+        tr.extra["sft_ids"] = state["sft_ids"]
     if tr.composer is not None:
         loaded = Composer.load(step_dir / "composer", tr.model, tr.tokenizer, tr.recipe.composer)
         tr.composer.resampler.load_state_dict(loaded.resampler.state_dict())
@@ -580,13 +581,22 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
 
     Under torchrun / accelerate launch (WORLD_SIZE > 1) every rank calls this with the same
     arguments; rank 0 alone writes the run folder, metrics and checkpoints."""
+    from lopd_cli.student import init_source, warm_start
+
     dist.init_from_env()
+    init = None if resume else init_source(project, recipe)  # its errors before the run folder exists
     step_dir = dist.on_main(lambda: prepare_run_dir(run_dir, recipe, resume))
     if step_dir is not None:
         check_world_size(step_dir)  # before the (possibly long) model load
+    elif resume:
+        init = init_source(project, recipe)  # killed before its first checkpoint: start over
     tr = build_trainer(project, recipe, run_dir)
     if step_dir is not None:
         restore(tr, step_dir)
+    elif init is not None:
+        rng = ckpt.rng_state()  # loading the source must not shift what the run samples
+        tr.extra["init_from"] = warm_start(tr.model, init, recipe.train.init_from, [recipe.base_dir, project.root])
+        ckpt.set_rng_state(rng)
     if dist.is_distributed():  # what DDP does at construction: start from rank 0's weights
         comp = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
         dist.broadcast_parameters(_student_params(tr.model) + comp)
