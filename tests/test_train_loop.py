@@ -75,6 +75,26 @@ def test_beta_rises_below_margin_and_stays_zero_above(project):
     assert [r["beta"] for r in low] == [0.0, 0.0], "β falls to 0 (clamped) when Δ > m"
 
 
+def test_composer_health_at_every_eval_and_collapse_warning(project):
+    from lopd_cli.errors import LopdWarning
+
+    # a threshold no composer reaches: the collapse warning must fire at each eval
+    with pytest.warns(LopdWarning, match="collapsed into a fixed prompt"):
+        _, rows = _run(project, "health", ["train.eval_every=1", "train.eval_n=2", "train.health_n=4",
+                                           "train.min_task_spread=1e6"])
+    for r in rows:
+        assert 0 < r["composer/latent_task_spread"] < 10
+        assert r["composer/nll_gap"] == pytest.approx(r["composer/nll_shuffled"] - r["composer/nll_own"])
+        assert r["grad_norm_encoder"] > 0 and r["grad_norm_resampler"] > 0
+        assert r["margin_binds"] in (True, False, None) and "margin_defined" in r
+        assert (r["margin_binds"] is None) == (not r["margin_defined"])
+
+
+def test_paper_margin_form_still_runs(project):
+    _, rows = _run(project, "paper-margin", ["train.margin_advantage=paper", "train.steps=1"])
+    assert rows[0]["margin_defined"] is True and isinstance(rows[0]["delta"], float)
+
+
 def test_rerun_into_existing_folder_is_refused(project):
     _run(project, "once", ["train.steps=1", "train.algo=grpo"])
     with pytest.raises(LopdError, match="already holds a run"):
