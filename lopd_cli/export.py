@@ -127,23 +127,28 @@ def export_merged(
     """Write a plain transformers directory holding backbone + student merged; verify it."""
     import torch
 
+    from lopd_cli.progress import activity
+
     out = Path(out)
     _prepare_out(out, force)
     # Merge and check in float32; the saved weights are cast to `dtype` afterwards.
-    model, tokenizer = load_student(info, dtype="float32", device=device, search_dirs=search_dirs)
-    inputs = check_inputs(tokenizer)
-    reference = prompt_logits(model, inputs)
-    if info.student == "lora":
-        # `model` wraps the backbone this function just loaded from disk: merging rewrites that
-        # private copy, never a backbone shared with a trainer.
-        model = model.merge_and_unload()
-    model = model.to(getattr(torch, dtype))
-    model.config.dtype = dtype
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    _copy_backbone_generation_config(info, out, search_dirs)
-    del model
-    diff = _verify_reloaded(out, inputs, reference, device)
+    with activity("loading backbone + student"):
+        model, tokenizer = load_student(info, dtype="float32", device=device, search_dirs=search_dirs)
+        inputs = check_inputs(tokenizer)
+        reference = prompt_logits(model, inputs)
+    with activity(f"merging and writing {out.name}"):
+        if info.student == "lora":
+            # `model` wraps the backbone this function just loaded from disk: merging rewrites that
+            # private copy, never a backbone shared with a trainer.
+            model = model.merge_and_unload()
+        model = model.to(getattr(torch, dtype))
+        model.config.dtype = dtype
+        model.save_pretrained(str(out), safe_serialization=True)
+        tokenizer.save_pretrained(str(out))
+        _copy_backbone_generation_config(info, out, search_dirs)
+        del model
+    with activity("checking the exported logits"):
+        diff = _verify_reloaded(out, inputs, reference, device)
     scale = max(float(x.abs().max()) for x in reference)
     tolerance = atol + rtol * scale
     if not diff <= tolerance:
