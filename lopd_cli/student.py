@@ -197,7 +197,8 @@ def warm_start(model, info: CheckpointInfo, spec: str, search_dirs: Iterable[Pat
 
 def init_source(project, recipe) -> CheckpointInfo | None:
     """The checkpoint `train.init_from` names, checked against the recipe's backbone (None when
-    the recipe has no init_from). Cheap: nothing is loaded but checkpoint.json."""
+    the recipe has no init_from) and against its student kind and LoRA shape. Cheap: nothing is
+    loaded but checkpoint.json and adapter_config.json."""
     from lopd_cli.models.backbone import resolve_backbone
 
     spec = recipe.train.init_from
@@ -206,4 +207,17 @@ def init_source(project, recipe) -> CheckpointInfo | None:
     info = resolve_init_from(spec, project.root)
     mine = resolve_backbone(recipe.model.backbone, [recipe.base_dir, project.root])
     check_init_backbone(info, spec, recipe.model.backbone, str(mine))
+    if info.student == "full" and recipe.model.student == "lora":
+        raise LopdError(f"train.init_from: {spec} holds a fully fine-tuned student and this recipe trains a LoRA "
+                        "student on the plain backbone (set model.student=full to continue it)")
+    if info.student == "lora" and recipe.model.student == "lora":
+        try:
+            cfg = json.loads((adapter_dir(info) / "adapter_config.json").read_text())
+        except LopdError as e:
+            raise LopdError(f"train.init_from: {spec}: {e}") from None
+        lora = recipe.model.lora
+        for key, theirs, ours in (("r", cfg.get("r"), lora.r), ("alpha", cfg.get("lora_alpha"), lora.alpha)):
+            if theirs != ours:
+                raise LopdError(f"train.init_from: {spec} has a LoRA student with {key}={theirs}, this recipe's "
+                                f"model.lora.{key} is {ours} (the adapter continues as it is: use the same shape)")
     return info

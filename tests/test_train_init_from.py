@@ -156,6 +156,12 @@ def test_bad_sources_fail_with_one_line(project, lopd):
     assert "runs/nope: no such run or checkpoint folder" in err("runs/nope", "bad1")
     assert "runs/coldstart holds no student" in err("runs/coldstart", "bad2")
 
+    line = lopd("train", "-C", project.root, "--recipe", "toolcall", "--run", "bad5", "--set", "model.lora.r=4",
+                "--set", "train.init_from=runs/src-sft").err.strip()
+    assert line == ("error: train.init_from: runs/src-sft has a LoRA student with r=16, this recipe's model.lora.r "
+                    "is 4 (the adapter continues as it is: use the same shape)"), line
+    assert not (project.runs_dir / "bad5").exists()
+
     fake = project.root / "elsewhere"
     shutil.copytree(project.runs_dir / "src-sft" / "checkpoints" / "step_3", fake)
     meta = json.loads((fake / "checkpoint.json").read_text())
