@@ -334,8 +334,8 @@ def load_reward(recipe: Recipe) -> Callable[[Task, list[dict]], float] | None:
 
 def select_tasks(env_factory: Callable[[], Any], split: str, n: int | None) -> list[Task]:
     """The first n tasks of a split, cycling through it when n exceeds its size."""
-    env = env_factory()
     try:
+        env = env_factory()
         returned = env.tasks(split)
     except LopdError:
         raise
