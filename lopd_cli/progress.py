@@ -296,7 +296,7 @@ def heartbeat(label: str, every: float | None = None) -> Iterator[None]:
         while not stop.wait(min(every, 1.0)):
             now = time.monotonic()
             with _LOCK:
-                if now - _LAST_LINE[0] < every:
+                if now - _LAST_LINE[0] < every or _OPEN:  # an open bar reports on its own
                     continue
                 doing = f" ({_ACTIVITY[-1]})" if _ACTIVITY else ""
                 _emit(f"{label}: working{doing}, {fmt_duration(now - start)} elapsed")
