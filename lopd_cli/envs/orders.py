@@ -432,6 +432,14 @@ class OrdersEnv:
     def done(self) -> bool:
         return False
 
+    def rule_strings(self, instruction: str) -> list[str]:
+        """The texts that carry the house rules of an instruction's store (its refund reason and
+        sign-off): how `lopd coldstart`'s check tells rule tokens from the others."""
+        if self.rules_seed is None or not instruction.startswith("["):
+            return []
+        rules = store_rules(self.rules_seed).get(instruction[1:].split("]", 1)[0])
+        return [rules["refund_reason"], rules["sign_off"]] if rules else []
+
     def reward(self, transcript: list[dict]) -> float:
         assert self.task is not None and self.world is not None, "reset() first"
         return checklist_reward(self.task, self.world.db, transcript)

@@ -73,6 +73,20 @@ def split_by_task(items: Sequence, val_fraction: float, seed: int) -> tuple[list
     return [it for it in items if task_key(it) not in val_keys], [it for it in items if task_key(it) in val_keys]
 
 
+def holdout_split(items: Sequence, env, val_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held-out) bank items. Held out: the successes of the environment's validation
+    tasks when the bank holds at least two of them (tasks no model trains on), otherwise a
+    `val_fraction` share of whole tasks (`split_by_task`)."""
+    try:
+        val_ids = {t.id for t in env.tasks("validation")}
+    except Exception:  # an env without a validation split
+        val_ids = set()
+    held = [it for it in items if it.task_id in val_ids]
+    if len({task_key(it) for it in held}) >= 2:
+        return [it for it in items if it.task_id not in val_ids], held
+    return split_by_task(items, val_fraction, seed)
+
+
 def retrieve_references(retriever, items: Sequence, n_ret: int) -> list[list]:
     """n_ret references per target item, excluding its own task id and instruction."""
     refs = retriever.retrieve_many(
@@ -386,7 +400,8 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
                                          search_dirs=[recipe.base_dir, project.root])
         model = attach_adapters(model, recipe)
         composer = Composer(model, tokenizer, recipe.composer, recipe.bank.obs_char_budget)
-        train_items, val_items = split_by_task(items, cs.val_fraction, cs.seed)
+        env = load_env_class(recipe.env.cls, recipe.base_dir)(**recipe.env.kwargs)
+        train_items, val_items = holdout_split(items, env, cs.val_fraction, cs.seed)
         max_tokens = recipe.rollout.max_prompt_tokens
         train = make_examples(tokenizer, retriever, train_items, n_ret, max_tokens)
         val = make_examples(tokenizer, retriever, val_items, n_ret, max_tokens)
@@ -414,7 +429,14 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         emb_fp = embedder_fingerprint(recipe.bank.embedder)
         composer.save(out, emb_fp, extra={"kind": "coldstart", "steps": cs.steps, "val_nll": result["val_nll"],
                                           "n_retrieve": n_ret})
-        env = load_env_class(recipe.env.cls, recipe.base_dir)(**recipe.env.kwargs)
+        check = None
+        if len(val) >= 2:
+            from lopd_cli.train.check import run_check
+            from lopd_cli.train.loop import text_reference_chars
+
+            model.eval()
+            check = run_check(model, tokenizer, composer, val, cs.batch_size, recipe.bank.obs_char_budget,
+                              text_reference_chars(recipe), getattr(env, "rule_strings", None))
         with torch.no_grad():
             tasks = env.tasks("train")[: cs.anchor_cache_tasks]
             cache = build_anchor_cache(composer, retriever, tasks, n_ret, recipe.bank.allow_self_retrieval)
@@ -424,6 +446,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
             "train_examples": len(train), "val_examples": len(val),
             "val_nll_before": before, "val_nll_after": result["val_nll"],
             "anchor_cache_entries": len(cache),
+            "check": check.to_dict() if check else None,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
