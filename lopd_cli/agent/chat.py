@@ -182,3 +182,19 @@ def tokenize_transcript(tokenizer, messages: list[dict], tools: list[dict] | Non
             prev = render_text(tokenizer, messages[:j], tools, add_generation_prompt=j < len(messages))
         i = j
     return ids, mask
+
+
+def incremental_observation_ids(tokenizer, prompt_messages: list[dict], last_assistant: dict,
+                                new_messages: list[dict], tools: list[dict] | None,
+                                add_generation_prompt: bool = True) -> list[int]:
+    """`observation_ids` rendered against a short anchor instead of the whole history: the
+    prompt (system + first user turn, which carry the tools block), the last assistant message,
+    then `new_messages`. The cost no longer grows with the number of turns.
+
+    For templates that render each message on its own (ChatML, Hermes rewriting, the tiny
+    model's template) the ids equal `observation_ids(tokenizer, history, new_messages, tools)`
+    for any `history` that starts with `prompt_messages` and ends with `last_assistant` — the
+    runner spot-checks this against the full rendering (see agent/runner.py) and tests assert it
+    on multi-turn transcripts."""
+    return observation_ids(tokenizer, list(prompt_messages) + [last_assistant], new_messages, tools,
+                           add_generation_prompt=add_generation_prompt)

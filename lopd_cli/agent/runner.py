@@ -13,6 +13,13 @@ as sampled (mask 1, with their behaviour log-probs) and the tokenised observatio
 end-of-turn token appended with mask 0 before the observation, so the context stays well-formed.
 When an episode stops at `max_turns` after a tool-call turn, the calls still run (the world
 state counts for the reward) and their results are in `messages`, but no tokens are appended.
+
+Cost per turn does not grow with the conversation: a backend with `open_batch` (hf) keeps the
+batch's KV cache across turns and prefills only the new ids (observation + next assistant
+header), and observation ids are rendered against a short anchor (prompt + last assistant
+turn, `chat.incremental_observation_ids`) rather than the whole history. The first episode of
+each batch is also rendered in full and compared; if the two ever differ (a template whose
+rendering depends on earlier turns), the rest of the call renders whole histories.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from lopd_cli.agent.chat import observation_ids, render_prompt_ids, stop_token_ids
+from lopd_cli.agent.chat import incremental_observation_ids, observation_ids, render_prompt_ids, stop_token_ids
 from lopd_cli.agent.env import coerce_tasks, env_done, plugin_view
 from lopd_cli.agent.toolcalls import call_key, parse_tool_calls, to_openai_tool_calls
 from lopd_cli.agent.types import Episode, Task, ToolCall
@@ -145,7 +152,29 @@ def _run_calls(live: _Live, calls: list[ToolCall], timeout_s: float) -> list[dic
     return results
 
 
-def _after_generation(live: _Live, gen, tokenizer, stop_ids: list[int], cfg: RolloutSection) -> None:
+class _ObservationRenderer:
+    """Observation ids of an episode's new messages: incremental, spot-checked (module docstring)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.incremental = True
+
+    def __call__(self, ep: Episode, new_messages: list[dict], check: bool) -> list[int]:
+        history = ep.messages[: len(ep.messages) - len(new_messages)]
+        if not self.incremental:
+            return observation_ids(self.tokenizer, history, new_messages, ep.task.tools)
+        ids = incremental_observation_ids(self.tokenizer, ep.prompt_messages, history[-1], new_messages,
+                                          ep.task.tools)
+        if check:
+            full = observation_ids(self.tokenizer, history, new_messages, ep.task.tools)
+            if full != ids:
+                self.incremental = False
+                return full
+        return ids
+
+
+def _after_generation(live: _Live, gen, tokenizer, stop_ids: list[int], cfg: RolloutSection,
+                      render: _ObservationRenderer | None = None, check: bool = False) -> None:
     ep = live.episode
     start = len(ep.input_ids)
     ep.input_ids += gen.token_ids
@@ -173,7 +202,7 @@ def _after_generation(live: _Live, gen, tokenizer, stop_ids: list[int], cfg: Rol
             live.done, live.stop = True, "answer"
             return
         ep.messages.append(nxt)
-        _append_observation(live, [nxt], gen.stopped, tokenizer, stop_ids, cfg)
+        _append_observation(live, [nxt], gen.stopped, tokenizer, stop_ids, cfg, render, check)
         return
     results = _run_calls(live, calls, cfg.tool_timeout_s)
     ep.messages += results
@@ -187,7 +216,7 @@ def _after_generation(live: _Live, gen, tokenizer, stop_ids: list[int], cfg: Rol
     if ended or live.turns >= cfg.max_turns:
         live.done, live.stop = True, "env_done" if ended else "max_turns"
         return
-    _append_observation(live, results, gen.stopped, tokenizer, stop_ids, cfg)
+    _append_observation(live, results, gen.stopped, tokenizer, stop_ids, cfg, render, check)
 
 
 def _next_user_message(env) -> dict | None:
@@ -198,11 +227,11 @@ def _next_user_message(env) -> dict | None:
 
 
 def _append_observation(live: _Live, new_messages: list[dict], stopped: bool, tokenizer, stop_ids: list[int],
-                        cfg: RolloutSection) -> None:
+                        cfg: RolloutSection, render: _ObservationRenderer | None = None, check: bool = False) -> None:
     """Tokens of tool results or a new user turn (mask 0), up to the next generation prompt."""
     ep = live.episode
-    history = ep.messages[: len(ep.messages) - len(new_messages)]
-    obs = observation_ids(tokenizer, history, new_messages, ep.task.tools)
+    render = render or _ObservationRenderer(tokenizer)
+    obs = render(ep, new_messages, check)
     if not stopped:
         obs = [stop_ids[0]] + obs
     ep.input_ids += obs
@@ -268,13 +297,16 @@ def run_episodes(
     backend = backend or make_backend(rollout_cfg.backend, model, tokenizer)
     stop_ids = stop_token_ids(tokenizer)
     temp = rollout_cfg.temperature if temperature is None else temperature
+    render = _ObservationRenderer(tokenizer)
     out: list[Episode] = []
     for lo in range(0, len(tasks), rollout_cfg.batch_size):
         chunk_key = _chunk_key(index_offset + lo, rollout_cfg.batch_size)
         lives = [_start(t, env_factory, tokenizer) for t in tasks[lo: lo + rollout_cfg.batch_size]]
+        session = backend.open_batch(len(lives)) if callable(getattr(backend, "open_batch", None)) else None
         turn = 0
         while True:
-            live = [lv for lv in lives if not lv.done]
+            rows = [i for i, lv in enumerate(lives) if not lv.done]
+            live = [lives[i] for i in rows]
             if not live:
                 break
             room = min(rollout_cfg.max_prompt_tokens - len(lv.episode.input_ids) for lv in live)
@@ -283,9 +315,11 @@ def run_episodes(
                 max_new_tokens=max(1, min(rollout_cfg.max_new_tokens, room)),
                 seed=(seed * 1_000_003 + chunk_key * 10_007 + turn) % (2**63),
             )
-            gens = backend.generate([lv.episode.input_ids for lv in live], params, stop_ids)
+            prompts = [lv.episode.input_ids for lv in live]
+            gens = (session.generate(rows, prompts, params, stop_ids) if session is not None
+                    else backend.generate(prompts, params, stop_ids))
             for lv, gen in zip(live, gens):
-                _after_generation(lv, gen, tokenizer, stop_ids, rollout_cfg)
+                _after_generation(lv, gen, tokenizer, stop_ids, rollout_cfg, render, check=lv is lives[0])
                 if lv.done and progress:
                     progress(1)
             turn += 1
