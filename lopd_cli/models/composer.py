@@ -17,8 +17,8 @@ model, whose token embeddings have norm 0.23).
 Keys of the cross-attention (`composer.key_tokens`, default "content"): χ reads only the
 trajectory's content tokens — the task frame and the chat markup, the same in every item, are
 masked out of its keys and values (the encoder still reads them as context). With uniform
-attention at init, a pooled latent is otherwise mostly template. Measured on tiny in
-benchmarks/RESULTS.md ("composer keys").
+attention at init, a pooled latent is otherwise mostly template. Measure it with
+`benchmarks/coldstart_nll.py --set composer.key_tokens=all|content` (task spread, NLL gap).
 
 What it simplifies: the retrieved item's system prompt and tool schemas are left out of its
 rendering (the teacher already sees both in its own prompt, and they would use up the
