@@ -17,9 +17,10 @@ state counts for the reward) and their results are in `messages`, but no tokens 
 Cost per turn does not grow with the conversation: a backend with `open_batch` (hf) keeps the
 batch's KV cache across turns and prefills only the new ids (observation + next assistant
 header), and observation ids are rendered against a short anchor (prompt + last assistant
-turn, `chat.incremental_observation_ids`) rather than the whole history. The first episode of
-each batch is also rendered in full and compared; if the two ever differ (a template whose
-rendering depends on earlier turns), the rest of the call renders whole histories.
+turn, `chat.incremental_observation_ids`) rather than the whole history. At every turn the
+first live episode of the batch is also rendered in full and compared (it gets the full ids);
+if the two ever differ (a template whose rendering depends on earlier turns), the rest of the
+call renders whole histories.
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ def run_episodes(
             gens = (session.generate(rows, prompts, params, stop_ids) if session is not None
                     else backend.generate(prompts, params, stop_ids))
             for lv, gen in zip(live, gens):
-                _after_generation(lv, gen, tokenizer, stop_ids, rollout_cfg, render, check=lv is lives[0])
+                _after_generation(lv, gen, tokenizer, stop_ids, rollout_cfg, render, check=lv is live[0])
                 if lv.done and progress:
                     progress(1)
             turn += 1
