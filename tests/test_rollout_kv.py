@@ -261,3 +261,27 @@ def test_a_template_that_rewrites_earlier_turns_falls_back_to_full_rendering(tin
     for e, t in zip(eps, multi):
         assert e.error is None
         assert tokenize_transcript(t2, e.messages, t.tools) == (e.input_ids, e.action_mask)
+
+
+def test_throughput_benchmark_bare_replay_draws_the_runners_tokens(tmp_path):
+    """benchmarks/rollout_throughput.py on multi-turn episodes: the bare `generate` loop replays
+    the runner's conversations turn by turn with the runner's seeds and samples the same tokens,
+    so both paths do the same generation work."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import importlib
+
+    rt = importlib.import_module("benchmarks.rollout_throughput")
+    out = tmp_path / "rt.json"
+    data = rt.main(["--models", "tiny", "--backends", "hf", "--n", "5", "--batch", "3", "--turns", "3",
+                    "--max-new-tokens", "6", "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(data)) and data["turns"] == 3
+    rows = {r["path"]: r for r in data["rows"]}
+    assert list(rows) == ["bare generate", "runner hf"]
+    # 5 episodes × 3 turns of 1 to 6 tokens
+    assert 5 * 3 <= rows["bare generate"]["tokens"] == rows["runner hf"]["tokens"] <= 5 * 3 * 6
