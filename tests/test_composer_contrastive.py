@@ -50,7 +50,8 @@ def test_contrastive_pairs_skip_same_task():
 
 
 def test_keys_are_the_trajectory_content_not_the_frame_or_markup(setup):  # noqa: F811
-    model, tok, recipe, composer = setup
+    model, tok, recipe, _ = setup
+    composer = Composer(model, tok, recipe.composer.model_copy(update={"key_tokens": "content"}))
     item = items(3)[2]
     text, spans = render_item(tok, "Where is order 77?", item, 600)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)

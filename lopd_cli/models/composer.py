@@ -14,10 +14,11 @@ backbone's input-embedding entries instead of 1, so latents enter the teacher at
 ordinary token embeddings (a LayerNorm with gain 1 gives rows of norm √d: 11.3 on the tiny
 model, whose token embeddings have norm 0.23).
 
-Keys of the cross-attention (`composer.key_tokens`, default "content"): χ reads only the
+Keys of the cross-attention (`composer.key_tokens`): "content" makes χ read only the
 trajectory's content tokens — the task frame and the chat markup, the same in every item, are
 masked out of its keys and values (the encoder still reads them as context). With uniform
-attention at init, a pooled latent is otherwise mostly template. Measure it with
+attention at init, a pooled latent is otherwise mostly template. The default is "all" (every
+token, the reference code): on random tiny "content" kept less task spread. Measure it with
 `benchmarks/coldstart_nll.py --set composer.key_tokens=all|content` (task spread, NLL gap).
 
 What it simplifies: the retrieved item's system prompt and tool schemas are left out of its
