@@ -122,6 +122,11 @@ class TrainSection(Section):
     composer_warmup_steps: int = Field(5, ge=0)
     contrastive_weight: float = Field(0.0, ge=0.0)
     contrastive_margin: float = Field(0.1, ge=0.0)
+    # The composer pass's cost (issue 20): φ is updated on `composer_batch` of each step's
+    # sequences (None: all; a seeded draw per step, the same on every rank) and on every
+    # `composer_every`-th step only (the dual step on β goes with it; Δ is measured on every row).
+    composer_batch: int | None = Field(None, ge=1)
+    composer_every: int = Field(1, ge=1)
     top_m: int = Field(20, ge=1)
     margin_m: float = 0.05
     # Δ's form: "centred" = sequence mean of 2(r − r̄)·δ (privilege: the teacher beats the student

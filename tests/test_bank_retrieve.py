@@ -177,3 +177,19 @@ def test_search_cli(built, capsys):
     run(["bank", "search", TOPICS["currency"][1], "-k", "2", "-C", str(built.root), "--json"])
     hits = json.loads(capsys.readouterr().out)
     assert len(hits) == 2 and hits[0]["task_id"] == "currency" and hits[0]["score"] >= hits[1]["score"]
+
+
+def test_query_vectors_are_embedded_once_and_alone(built, monkeypatch):
+    import lopd_cli.bank.retrieve as rmod
+    from lopd_cli.bank.embed import embed_texts
+
+    r = Retriever.open(built, None)
+    queries = [q for _, q in TOPICS.values()]
+    batches = []
+    monkeypatch.setattr(rmod, "embed_texts", lambda m, texts: batches.append(list(texts)) or embed_texts(m, texts))
+    first = r.retrieve_many(queries[:4], k=2)
+    again = r.retrieve_many(queries[:4] + queries[:2], k=2)
+    assert batches == [[q] for q in queries[:4]], "each new text alone, repeats from the cache"
+    assert [[i.id for i in g] for g in again[:4]] == [[i.id for i in g] for g in first]
+    fresh = embed_texts(r.model, queries[:4])
+    assert np.allclose(r.embed(queries[:4]), fresh, atol=1e-5)

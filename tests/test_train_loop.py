@@ -58,6 +58,18 @@ def test_frozen_composer_does_not_change(project):
     assert rows[-1]["grad_norm_composer"] is None
 
 
+def test_composer_batch_and_every(project):
+    """φ on 2 of the 4 rows on step 1 and not at all on step 2 (composer_every 2): no composer
+    gradient, no warm-up or β step there; the student trains on every step."""
+    tr, rows = _run(project, "lopd-share", ["train.composer_batch=2", "train.composer_every=2"])
+    assert [r["composer_rows"] for r in rows] == [2, 0]
+    assert rows[0]["grad_norm_composer"] > 0 and rows[1]["grad_norm_composer"] is None
+    assert rows[1]["beta"] == rows[0]["beta"]
+    assert all(r["grad_norm_student"] > 0 and r["kl"] is not None for r in rows)
+    assert tr.composer_sched.last_epoch == 1
+    assert len(tr.nograd_latents) > 0, "step 2's no-grad latents are kept: φ has not changed since"
+
+
 @pytest.mark.parametrize("algo", ["grpo", "opsd"])
 def test_baselines_run_in_the_same_loop(project, algo):
     tr, rows = _run(project, f"{algo}-a", [f"train.algo={algo}"])

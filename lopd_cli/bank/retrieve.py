@@ -52,8 +52,22 @@ class Retriever:
     def __len__(self) -> int:
         return len(self.index)
 
+    QUERY_CACHE = 65536  # query vectors kept (a 384-d float32 vector is 1.5 KiB)
+
     def embed(self, queries: list[str]) -> np.ndarray:
-        return embed_texts(self.model, list(queries))
+        """Query vectors, each distinct text embedded once per retriever: they depend on the
+        embedder alone (fixed for the retriever's life), not on the bank, so a growing bank
+        keeps them. Training re-asks the same task instructions every epoch. A new text is
+        embedded on its own (batch of one), so its vector does not depend on which other queries
+        came with it: a resumed run, whose cache starts empty, retrieves what the uninterrupted
+        run retrieved."""
+        cache = self.__dict__.setdefault("_query_vecs", {})
+        for q in dict.fromkeys(q for q in queries if q not in cache):
+            cache[q] = embed_texts(self.model, [q])[0]
+        out = np.stack([cache[q] for q in queries]) if queries else embed_texts(self.model, [])
+        while len(cache) > self.QUERY_CACHE:
+            cache.pop(next(iter(cache)))
+        return out
 
     # ---- searching -----------------------------------------------------------------------
     def _pick(self, scores: np.ndarray, ids: np.ndarray, k: int, ex_tasks: set, ex_instr: set,

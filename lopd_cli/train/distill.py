@@ -56,6 +56,13 @@ class DistillSetup:
     contrastive_weight: float = 0.0  # composer pass: weight of the own-vs-other-references hinge
     contrastive_margin: float = 0.1
     success_threshold: float = 1.0  # rollouts at or above it take part in the contrastive term
+    # The composer pass's rows (None: all of them) and their counts over the whole step's batch
+    # (None: counted here, which is right in one process); see distill_update.
+    composer_rows: Sequence[bool] | None = None
+    composer_totals: BatchTotals | None = None
+    # No-grad latents kept while φ does not change (the trainer clears it when φ steps); None:
+    # a fresh one per call, so each distinct (task, item) is still encoded once per step.
+    nograd_latents: "NoGradLatents | None" = None
 
 
 @dataclass
@@ -76,13 +83,89 @@ def _autocast(enabled: bool, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
+def item_key(task_instruction: str, item) -> tuple[str, object]:
+    """What the encoder's output for one retrieved item depends on: the task it is rendered for
+    (the encoder reads "Task to solve: {task}" in front of it) and the item."""
+    return task_instruction, item.id
+
+
+def encode_latents(composer, refs: Sequence[Sequence], instrs: Sequence[str],
+                   cache: "NoGradLatents | None" = None) -> torch.Tensor:
+    """c_φ (B, n_ret·K, d), encoding each distinct (task, item) pair once: the same pair in two
+    rows of the batch (a task rolled out more than once, overlapping retrievals) shares one
+    encoder pass, and gradients reach φ through both uses. `cache` (no-grad only): latents of
+    pairs already encoded by this composer since it last changed."""
+    counts = {len(r) for r in refs}
+    if len(counts) > 1 or 0 in counts:
+        return composer(refs, instrs)  # the composer's own error message
+    n = counts.pop()
+    keys = [item_key(instr, it) for instr, r in zip(instrs, refs) for it in r]
+    items = {item_key(instr, it): (instr, it) for instr, r in zip(instrs, refs) for it in r}
+    todo = [k for k in items if cache is None or k not in cache]
+    if todo:
+        toks = [composer.item_tokens(*items[k]) for k in todo]
+        fresh = composer.encode_ids([t[0] for t in toks], [t[1] for t in toks])
+    else:
+        fresh = None
+    pos = {k: i for i, k in enumerate(todo)}
+    if cache is not None:
+        have = {k: cache.get(k) for k in items if k not in pos}
+        rows = torch.stack([fresh[pos[k]] if k in pos else have[k] for k in keys])
+        for k, i in pos.items():
+            cache.put(k, fresh[i])
+    else:
+        rows = fresh[torch.tensor([pos[k] for k in keys], device=fresh.device)]
+    K, d = composer.latents_per_item, composer.dims.dim
+    return rows.reshape(len(refs), n * K, d)
+
+
+class NoGradLatents:
+    """No-grad latents per (task, item) pair, valid while the composer does not change: the
+    trainer clears it whenever φ takes an optimiser step (and never with a frozen composer).
+    Bounded: the oldest entries go first past `max_entries`."""
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self.entries: dict = {}
+        self.hits = self.misses = 0
+
+    def __contains__(self, key) -> bool:
+        hit = key in self.entries
+        self.hits += hit
+        self.misses += not hit
+        return hit
+
+    def get(self, key) -> torch.Tensor:
+        return self.entries[key]
+
+    def put(self, key, latents: torch.Tensor) -> None:
+        self.entries[key] = latents.detach()
+        while len(self.entries) > self.max_entries:
+            self.entries.pop(next(iter(self.entries)))
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
 def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Sequence[list], beta: float,
                    totals: BatchTotals | None = None) -> DistillOutcome:
     """Accumulate gradients of the student (θ) and, for LOPD, the composer (φ) over the batch.
 
     The caller zeroes gradients before and steps the optimisers after (so it can check them).
     `totals`: the counts of the whole step's batch when `episodes` is one rank's share of it
-    (then the losses and gradients here are that rank's part of a sum over ranks)."""
+    (then the losses and gradients here are that rank's part of a sum over ranks).
+
+    Rows: `setup.composer_rows` (None: every row when the composer trains) picks the sequences
+    of the composer pass; `setup.composer_totals` counts them over the whole step's batch. The
+    other rows take a teacher pass without gradient (latents encoded once per distinct
+    (task, item) pair, no graph kept) and the student pass. Composer rows, per micro-batch:
+    encoder + teacher with gradient → the student's log-probs without gradient → the composer's
+    backward (its graph is freed) → the student's forward and backward. No graph outlives its
+    phase: the price is one no-grad student forward on the composer rows. Δ for the dual step
+    is measured on every row (the teacher's token log-probs of the others come without grad)."""
     import time
 
     model, tok = setup.model, setup.tokenizer
@@ -92,44 +175,60 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
     full = collate(episodes, pad, "cpu")
     n_seq_total = max(1, totals.n_sequences if totals else full.n_sequences)
     n_tok_total = max(1, totals.n_tokens if totals else full.n_tokens)
-    n_eps_total = max(1, totals.n_episodes if totals else len(episodes))
     out = DistillOutcome(n_tokens=full.n_tokens)
-    t_teacher = t_student = t_composer = 0.0
+    sec = {"teacher": 0.0, "student": 0.0, "composer": 0.0, "encode": 0.0}
     lopd = setup.composer is not None
-    adv_full, out.margin_defined = _margin_advantages(setup, episodes, full)
-    n_succ_total = _n_successes(setup, full) if lopd and setup.contrastive_weight > 0 else 0
-    n_latents = setup.composer.latents_per_item * len(refs[0]) if lopd and refs and refs[0] else 0
-    for lo in range(0, len(episodes), setup.micro_batch):
-        eps = list(episodes[lo : lo + setup.micro_batch])
-        mrefs = [list(r) for r in refs[lo : lo + setup.micro_batch]]
-        sb = collate(eps, pad, device)
-        if sb.n_tokens == 0:
-            continue
-        w_seq = sb.n_sequences / n_seq_total
-        w_tok = sb.n_tokens / n_tok_total
-        w_task = len(eps) / n_eps_total
+    grad_phi = lopd and setup.train_composer
+    rows_c = list(setup.composer_rows) if setup.composer_rows is not None else [grad_phi] * len(episodes)
+    if not grad_phi:
+        rows_c = [False] * len(episodes)
+    ctot = setup.composer_totals if setup.composer_totals is not None else (
+        totals if setup.composer_rows is None else None)
+    sub = [ep for ep, c in zip(episodes, rows_c) if c]
+    if ctot is None:
+        from lopd_cli.train.batch import batch_totals
 
-        # Phase 2: teacher (gradient into φ only when the composer trains).
-        t0 = time.perf_counter()
-        grad_phi = lopd and setup.train_composer
-        with torch.set_grad_enabled(grad_phi), _autocast(setup.autocast, device):
+        ctot = batch_totals(sub)
+    c_seq_total = max(1, ctot.n_sequences if ctot else full.n_sequences)
+    c_tok_total = max(1, ctot.n_tokens if ctot else full.n_tokens)
+    c_eps_total = max(1, ctot.n_episodes if ctot else len(episodes))
+    adv_full, out.margin_defined = _margin_advantages(setup, episodes, full)
+    idx_c = [i for i, c in enumerate(rows_c) if c]
+    idx_p = [i for i, c in enumerate(rows_c) if not c]
+    n_succ_total = 0
+    if grad_phi and setup.contrastive_weight > 0:  # every rank calls the reduction, rows or not
+        sc = _successes(setup, full.rewards[idx_c], full.mask[idx_c]) if idx_c else torch.zeros(0)
+        n_succ_total = int(dist.all_reduce_sum({"n": int(sc.sum())})["n"])
+    n_latents = setup.composer.latents_per_item * len(refs[0]) if lopd and refs and refs[0] else 0
+    kl_plain = 0.0
+    nograd = setup.nograd_latents if setup.nograd_latents is not None else NoGradLatents()
+
+    def delta_of(t_tok, s_tok, sb, rows):
+        if setup.margin_advantage == "paper":
+            return losses.privileged_margin(t_tok, s_tok, sb.rewards, sb.mask)
+        adv = adv_full[rows].to(t_tok.device)
+        return losses.centred_margin(t_tok, s_tok, adv, sb.mask)
+
+    def delta_weight(sb, seq_total, tok_total):
+        return sb.n_tokens / tok_total if setup.margin_advantage == "paper" else sb.n_sequences / seq_total
+
+    def teacher(eps, mrefs, grad: bool):
+        """Teacher hidden states in the student layout (+ latents, the teacher batch)."""
+        with torch.set_grad_enabled(grad), _autocast(setup.autocast, device):
             if lopd:
-                instrs = [ep.task.instruction for ep in eps]
-                latents = setup.composer(mrefs, instrs)
+                t0 = time.perf_counter()
+                latents = encode_latents(setup.composer, mrefs, [ep.task.instruction for ep in eps],
+                                         None if grad else nograd)
+                sec["encode"] += time.perf_counter() - t0
                 tb = build_teacher_batch(eps, tok, n_latents).to(device)
-                th = teacher_hidden(model, tb, latents)
+                th = teacher_hidden(model, tb, latents.to(device))
             else:
                 latents = None
                 tb = build_teacher_batch(eps, tok, 0, prompt_fn=lambda b, ep: setup.text_prompt(ep, mrefs[b])).to(device)
                 th = teacher_hidden(model, tb, th_empty_latents(len(eps), device, model))
-            t_pred = to_student_layout(th, tb, tuple(sb.mask.shape))
-        t_lp, t_ids = losses.chunked_teacher_topm(t_pred.detach(), head, setup.top_m, mask=sb.mask, chunk_size=setup.logit_chunk)
-        t_teacher += time.perf_counter() - t0
+            return to_student_layout(th, tb, tuple(collate_shape(eps))), latents, tb
 
-        # Phase 3: student, reverse KL against the detached teacher.
-        t0 = time.perf_counter()
-        # One lm_head pass gives the student's top-M+tail log-probs for the KL and, for LOPD, the
-        # taken tokens' log-probs; both serve phase 4 detached (no second student head pass).
+    def student_pass(sb, t_lp, t_ids, w_seq):
         with use_student(model), _autocast(setup.autocast, device):
             s_pred = student_hidden(model, sb)
             s_topm_g, s_tok_g = losses.chunked_logprobs(
@@ -138,50 +237,95 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
             )
             kl = losses.topm_reverse_kl(s_topm_g, t_lp, sb.mask)
         (kl.loss * w_seq).backward()
-        out.kl += float(kl.loss.detach()) * w_seq
-        t_student += time.perf_counter() - t0
+        return float(kl.loss.detach()), s_tok_g.detach() if s_tok_g is not None else None
 
-        # Phase 4: composer, through the same teacher graph.
+    # Rows without the composer pass: no-grad teacher, then the student.
+    for lo in range(0, len(idx_p), setup.micro_batch):
+        rows = idx_p[lo : lo + setup.micro_batch]
+        eps = [episodes[i] for i in rows]
+        mrefs = [list(refs[i]) for i in rows]
+        sb = collate(eps, pad, device)
+        if sb.n_tokens == 0:
+            continue
+        w_seq = sb.n_sequences / n_seq_total
+        t0 = time.perf_counter()
+        t_pred, _, _ = teacher(eps, mrefs, grad=False)
+        t_lp, t_ids = losses.chunked_teacher_topm(t_pred, head, setup.top_m, mask=sb.mask, chunk_size=setup.logit_chunk)
         if lopd:
-            t0 = time.perf_counter()
-            s_topm, s_tok = s_topm_g.detach(), s_tok_g.detach()
-            with torch.set_grad_enabled(grad_phi):
-                t_topm, t_tok = losses.chunked_logprobs(
-                    t_pred, head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk
-                )
-                ckl = losses.topm_reverse_kl(s_topm, t_topm, sb.mask, detach="student")
-                if setup.margin_advantage == "paper":
-                    delta, w_delta = losses.privileged_margin(t_tok, s_tok, sb.rewards, sb.mask), w_tok
-                else:
-                    adv = adv_full[lo : lo + setup.micro_batch].to(t_tok.device)
-                    delta, w_delta = losses.centred_margin(t_tok, s_tok, adv, sb.mask), w_seq
-                anchor = (
-                    losses.anchor_loss(latents, setup.latents0(instrs, mrefs).to(latents.device))
-                    if setup.latents0 is not None and setup.anchor_lambda > 0
-                    else latents.new_zeros(())
-                )
-                # = w·(KL + β(m − Δ) + λ·anchor) with each term weighted by what it averages over
-                # (β·m is a constant: it has no gradient and is left out).
-                obj = w_seq * ckl.loss - beta * w_delta * delta + setup.anchor_lambda * w_task * anchor
-                if n_succ_total and grad_phi:
-                    hinge, n_pairs = _contrastive(setup, model, head, eps, tb, sb, latents, t_tok)
-                    if n_pairs:
-                        w_c = n_pairs / n_succ_total
-                        obj = obj + setup.contrastive_weight * w_c * hinge
-                        out.contrastive += float(hinge.detach()) * w_c
-            if grad_phi:
-                obj.backward()
-            out.composer_kl += float(ckl.loss.detach()) * w_seq
-            out.delta += float(delta.detach()) * w_delta
-            out.anchor += float(anchor.detach()) * w_task
-            t_composer += time.perf_counter() - t0
-        del th, t_pred
+            with torch.no_grad():
+                t_tok = losses.chunked_token_logprobs(t_pred, head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
+        sec["teacher"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        kl_v, s_tok = student_pass(sb, t_lp, t_ids, w_seq)
+        out.kl += kl_v * w_seq
+        kl_plain += kl_v * w_seq
+        if lopd:
+            out.delta += float(delta_of(t_tok, s_tok, sb, rows)) * delta_weight(sb, n_seq_total, n_tok_total)
+        sec["student"] += time.perf_counter() - t0
+        del t_pred
+
+    # Composer rows: teacher with grad → student log-probs (no grad) → composer backward → student.
+    for lo in range(0, len(idx_c), setup.micro_batch):
+        rows = idx_c[lo : lo + setup.micro_batch]
+        eps = [episodes[i] for i in rows]
+        mrefs = [list(refs[i]) for i in rows]
+        instrs = [ep.task.instruction for ep in eps]
+        sb = collate(eps, pad, device)
+        if sb.n_tokens == 0:
+            continue
+        w_seq = sb.n_sequences / n_seq_total
+        wc_seq, wc_tok, wc_task = sb.n_sequences / c_seq_total, sb.n_tokens / c_tok_total, len(eps) / c_eps_total
+        t0 = time.perf_counter()
+        t_pred, latents, tb = teacher(eps, mrefs, grad=True)
+        t_lp, t_ids = losses.chunked_teacher_topm(t_pred.detach(), head, setup.top_m, mask=sb.mask,
+                                                  chunk_size=setup.logit_chunk)
+        sec["teacher"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with torch.no_grad(), use_student(model), _autocast(setup.autocast, device):
+            s_topm, s_tok = losses.chunked_logprobs(student_hidden(model, sb), head, topm_ids=t_ids,
+                                                    token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
+        t_topm, t_tok = losses.chunked_logprobs(t_pred, head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask,
+                                                chunk_size=setup.logit_chunk)
+        ckl = losses.topm_reverse_kl(s_topm, t_topm, sb.mask, detach="student")
+        delta = delta_of(t_tok, s_tok, sb, rows)
+        w_delta = wc_tok if setup.margin_advantage == "paper" else wc_seq
+        anchor = (
+            losses.anchor_loss(latents, setup.latents0(instrs, mrefs).to(latents.device))
+            if setup.latents0 is not None and setup.anchor_lambda > 0
+            else latents.new_zeros(())
+        )
+        # = w·(KL + β(m − Δ) + λ·anchor) with each term weighted by what it averages over in the
+        # composer rows (β·m is a constant: it has no gradient and is left out).
+        obj = wc_seq * ckl.loss - beta * w_delta * delta + setup.anchor_lambda * wc_task * anchor
+        if n_succ_total:
+            hinge, n_pairs = _contrastive(setup, model, head, eps, tb, sb, latents, t_tok)
+            if n_pairs:
+                w_c = n_pairs / n_succ_total
+                obj = obj + setup.contrastive_weight * w_c * hinge
+                out.contrastive += float(hinge.detach()) * w_c
+        obj.backward()
+        del t_pred, latents, obj, t_topm, t_tok
+        out.composer_kl += float(ckl.loss.detach()) * wc_seq
+        out.delta += float(delta.detach()) * delta_weight(sb, n_seq_total, n_tok_total)
+        out.anchor += float(anchor.detach()) * wc_task
+        sec["composer"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        kl_v, _ = student_pass(sb, t_lp, t_ids, w_seq)
+        out.kl += kl_v * w_seq
+        sec["student"] += time.perf_counter() - t0
     if lopd:
+        if not idx_c:  # no composer pass this step: its KL is the student's (the same numbers)
+            out.composer_kl = kl_plain
         out.composer_loss = (out.composer_kl + beta * (setup.margin_m - out.delta) + setup.anchor_lambda * out.anchor
                              + setup.contrastive_weight * out.contrastive)
-    out.seconds = {"teacher": t_teacher, "student": t_student, "composer": t_composer}
+    out.seconds = sec if lopd else {k: v for k, v in sec.items() if k != "encode"}
     out.finite = all(map(_finite, (out.kl, out.composer_kl, out.delta, out.anchor)))
     return out
+
+
+def collate_shape(eps: Sequence[Episode]) -> tuple[int, int]:
+    """The (B, T) of `collate(eps)`'s prediction-layout mask."""
+    return len(eps), max(len(ep.input_ids) for ep in eps) - 1
 
 
 def _margin_advantages(setup: DistillSetup, episodes: Sequence[Episode], full) -> tuple[torch.Tensor | None, bool]:

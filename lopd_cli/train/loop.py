@@ -85,6 +85,7 @@ class Trainer:
     metrics: MetricsLog | None = None
     on_step: Callable[[dict], None] | None = None
     backbone_path: str = ""
+    nograd_latents: Any = None  # distill.NoGradLatents: no-grad c_φ per (task, item) while φ is unchanged
     extra: dict = field(default_factory=dict)
 
     @property
@@ -191,6 +192,9 @@ def _setup_composer(tr: Trainer) -> None:
     recipe = tr.recipe
     tr.composer_dir = find_composer(tr.project, recipe)
     tr.composer = Composer.load(tr.composer_dir, tr.model, tr.tokenizer, recipe.composer)
+    from lopd_cli.train.distill import NoGradLatents
+
+    tr.nograd_latents = NoGradLatents()
     if recipe.train.freeze_composer:
         tr.composer.requires_grad_(False)
     else:
@@ -307,13 +311,36 @@ def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
     return float(torch.nn.utils.clip_grad_norm_(params, clip))
 
 
+def composer_rows(tr: Trainer, episodes: list[Episode], step: int) -> list[bool] | None:
+    """Which of the step's sequences (the whole batch, every rank alike) take the composer pass:
+    None = all of them (the composer trains every step on every row), all False on a step
+    without a φ update (`train.composer_every`), else `train.composer_batch` rows drawn with a
+    generator seeded by (seed, step) among those with supervised tokens (the global RNG, and so
+    the rest of the run, is untouched)."""
+    t = tr.recipe.train
+    if not tr.trains_composer:
+        return None
+    if (step - 1) % t.composer_every:
+        return [False] * len(episodes)
+    valid = [i for i, ep in enumerate(episodes) if sum(ep.action_mask[1:]) > 0]
+    if t.composer_batch is None or t.composer_batch >= len(valid):
+        return None
+    pick = set(random.Random(t.seed * 1_000_003 + 7 * step + 1).sample(valid, t.composer_batch))
+    return [i in pick for i in range(len(episodes))]
+
+
 def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
-           totals: BatchTotals | None = None) -> dict[str, Any]:
+           totals: BatchTotals | None = None, rows: list[bool] | None = None,
+           composer_totals: BatchTotals | None = None, phi_step: bool = True) -> dict[str, Any]:
     """Gradients, guards and optimiser steps for one batch. Returns the step's loss metrics.
 
     Distributed: `episodes` is this rank's share and `totals` counts the whole batch; the loss
-    parts and gradients are summed over ranks before the guards, so every rank steps alike."""
+    parts and gradients are summed over ranks before the guards, so every rank steps alike.
+    `rows` (this rank's share of `composer_rows`), `composer_totals` (their whole-batch counts):
+    the composer pass's sequences; `phi_step` False (no composer row in the whole batch): φ, its
+    warm-up and β do not step, and the no-grad latents stay valid."""
     t = tr.recipe.train
+    phi_step = phi_step and tr.composer_opt is not None
     tr.model.train()
     tr.student_opt.zero_grad(set_to_none=True)
     if tr.composer_opt is not None:
@@ -341,6 +368,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
             autocast=tr.recipe.model.autocast_bf16, margin_advantage=t.margin_advantage,
             contrastive_weight=t.contrastive_weight, contrastive_margin=t.contrastive_margin,
             success_threshold=tr.recipe.eval.success_threshold,
+            composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
         )
         o = distill_update(setup, episodes, refs, tr.state.beta, totals)
         if dist.is_distributed():
@@ -368,11 +396,13 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
             row[f"grad_norm_{g.get('name', 'composer')}"] = _norm(g["params"])
     composer_norm = _grad_norm(comp_params, t.grad_clip)
     finite = finite and math.isfinite(student_norm) and math.isfinite(composer_norm)
-    row.update(grad_norm_student=student_norm, grad_norm_composer=composer_norm if tr.composer_opt else None)
+    row.update(grad_norm_student=student_norm, grad_norm_composer=composer_norm if phi_step else None)
     if finite:
         tr.student_opt.step()
-        if tr.composer_opt is not None:
+        if phi_step:
             tr.composer_opt.step()
+            if tr.nograd_latents is not None:
+                tr.nograd_latents.clear()  # φ changed: its no-grad latents are stale
             if tr.composer_sched is not None:
                 tr.composer_sched.step()
             if o.margin_defined:
@@ -446,7 +476,13 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
         "invalid_tool_calls": s["invalid_tool_calls"], "first_turn_tokens": s["first_turn_tokens"],
         "episode_errors": failed,
     }
-    row.update(update(tr, local, group_ids[lo:hi], batch_totals(episodes)))
+    rows = composer_rows(tr, episodes, step)
+    if rows is None:
+        row.update(update(tr, local, group_ids[lo:hi], batch_totals(episodes)))
+    else:
+        row.update(update(tr, local, group_ids[lo:hi], batch_totals(episodes), rows[lo:hi],
+                          batch_totals([ep for ep, r in zip(episodes, rows) if r]), phi_step=any(rows)))
+        row["composer_rows"] = sum(rows)
     if tr.algo == "lopd":
         row["beta"] = tr.state.beta
     if tr.recipe.bank.grow and tr.algo in ("lopd", "opsd"):
