@@ -6,9 +6,13 @@ Three phases, each a full optimiser step on the same synthetic batch:
     student  the LOPD student phase alone: composer forward and teacher forward without grad
              (latents in the placeholders), the teacher's top-M (`chunked_teacher_topm`), the
              student's `chunked_reverse_kl` + backward + step
-    lopd     the whole LOPD update: `lopd_cli.train.distill.distill_update` (one teacher forward
-             with grad serves the student's targets and the composer's loss) + both optimiser
-             steps + the dual step on β
+    lopd     the whole LOPD update: `lopd_cli.train.distill.distill_update` (per micro-batch:
+             encoder + teacher with grad, the composer's backward, then the student pass) + both
+             optimiser steps + the dual step on β
+    lopd_share  the same with `train.composer_batch` = a quarter of the rows (the others: a
+             no-grad teacher)
+    lopd_off the step between φ updates (`train.composer_every` > 1): no-grad encode and teacher,
+             the student, its optimiser step
 
 and two reference pieces for the floors: the composer alone without grad (`enc_fwd`) and with
 forward + backward into ψ and χ (`enc_fwdbwd`). Floors (from the issue): student phase ≈
@@ -47,7 +51,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-PHASES = ("sft", "student", "lopd")
+PHASES = ("sft", "student", "lopd", "lopd_share", "lopd_off")
 PIECES = ("enc_fwd", "enc_fwdbwd", "head_pass")
 PRECISIONS = ("fp32", "bf16")
 RECIPES = {"tiny": "orders-tiny", "smollm2-135m-instruct": "orders-smollm2"}
@@ -203,21 +207,33 @@ class Bench:
         kl.loss.backward()
         self._clip_step(self.student_params, self.student_opt)
 
-    def lopd(self, bf16: bool) -> None:
+    def lopd(self, bf16: bool, rows=None) -> None:
         from lopd_cli.train.distill import DistillSetup, distill_update
         from lopd_cli.train.losses import dual_update
 
         t = self.recipe.train
         self.student_opt.zero_grad(set_to_none=True)
         self.composer_opt.zero_grad(set_to_none=True)
+        lat0 = dict(zip(self.instrs, self.latents0))
         setup = DistillSetup(self.model, self.tok, t.top_m, t.margin_m, t.anchor_lambda, t.micro_batch, t.logit_chunk,
-                             composer=self.composer, train_composer=True, latents0=lambda i, r: self.latents0,
-                             autocast=bf16)
+                             composer=self.composer, train_composer=True,
+                             latents0=lambda ins, r: torch_stack([lat0[i] for i in ins]),
+                             autocast=bf16, composer_rows=rows)
         out = distill_update(setup, self.episodes, self.refs, self.beta)
         self._clip_step(self.student_params, self.student_opt)
-        self._clip_step(self.composer_params, self.composer_opt)
-        self.beta = dual_update(self.beta, t.margin_m, out.delta, t.eta_beta)
+        if rows is None or any(rows):
+            self._clip_step(self.composer_params, self.composer_opt)
+            self.beta = dual_update(self.beta, t.margin_m, out.delta, t.eta_beta)
         self.last_seconds = dict(out.seconds)
+
+    def lopd_share(self, bf16: bool) -> None:
+        """`train.composer_batch` = a quarter of the rows: φ's pass on those, a no-grad teacher on the rest."""
+        n = len(self.episodes)
+        self.lopd(bf16, rows=[i < max(1, n // 4) for i in range(n)])
+
+    def lopd_off(self, bf16: bool) -> None:
+        """A step without φ (`train.composer_every` > 1, off step): no-grad encode + teacher, student."""
+        self.lopd(bf16, rows=[False] * len(self.episodes))
 
     def head_pass(self, bf16: bool) -> None:
         """One no-grad lm_head pass over the action tokens (top-M + token log-probs): what
@@ -252,6 +268,12 @@ class Bench:
         self.composer_opt.zero_grad(set_to_none=True)
 
 
+def torch_stack(xs):
+    import torch
+
+    return torch.stack(xs)
+
+
 def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -280,9 +302,9 @@ def worker_time(args) -> dict:
                 t0 = time.perf_counter()
                 getattr(bench, name)(bf16)
                 runs[name].append(time.perf_counter() - t0)
-                if name == "lopd":
+                if name.startswith("lopd"):
                     for k, v in bench.last_seconds.items():
-                        split.setdefault(k, []).append(v)
+                        split.setdefault(k if name == "lopd" else f"{name}.{k}", []).append(v)
         med = {k: statistics.median(v) for k, v in runs.items()}
         out["precisions"][prec] = {"seconds": med, "runs": runs,
                                    "lopd_phase_seconds": {k: statistics.median(v) for k, v in split.items()}}

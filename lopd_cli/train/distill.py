@@ -15,9 +15,12 @@ centred Δ of a batch whose rewards are all equal is 0 by construction and says 
 `margin_defined` is then False.
 
 What it simplifies relative to the reference code: φ does not change between phases 2 and 4, so
-one teacher forward *with* gradient serves both the student's targets (detached) and the
-composer's loss; the composer's KL and Δ use the student's log-probs from the student pass (before
-its update, detached), so the student's lm_head runs once per micro-batch.
+on the composer's rows one teacher forward *with* gradient serves both the student's targets
+(detached) and the composer's loss. Phase order on those rows (issue 20): encoder + teacher with
+grad, the student's log-probs without grad, the composer's backward (its graph freed), then the
+student's forward and backward — no graph outlives its phase, at the price of one no-grad
+student forward. `composer_rows` limits the composer pass to a share of the rows (the rest take a
+no-grad teacher); each distinct (task, item) pair is encoded once (`encode_latents`).
 Micro-batches accumulate gradients with weights that make the sums equal to the full-batch
 losses (sequence means weight by sequences, the paper's Δ by tokens, the anchor by tasks, the
 contrastive hinge by successful rollouts).
