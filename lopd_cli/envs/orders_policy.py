@@ -40,9 +40,12 @@ from lopd_cli.agent.toolcalls import to_openai_tool_calls
 from lopd_cli.agent.types import Task, ToolCall
 from lopd_cli.envs.orders import OrdersEnv, oracle_plan
 
-POLICY_VERSION = 3  # bump when the recipe below changes, so cached policies are rebuilt
+POLICY_VERSION = 4  # bump when the recipe below changes, so cached policies are rebuilt
 DEFAULTS = dict(steps=900, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0,
-                reference_fraction=0.4, max_references=2)
+                reference_fraction=0.4, max_references=2, n_tasks=1024)
+# The rule set the base policy learns: not the packaged recipes' (orders.RECIPE_RULES_SEED), so the
+# demo's house rules are new to it, as a new store's would be to a team's existing agent.
+BASE_POLICY_RULES_SEED = 101
 # How reference text is cut: the orders-tiny recipe's bank.obs_char_budget and composer.max_item_tokens × 4
 # (what OPSD's teacher reads, lopd_cli.train.loop.text_reference_chars).
 REFERENCE_OBS_CHARS, REFERENCE_MAX_CHARS = 600, 1536
@@ -74,33 +77,59 @@ def noisy_oracle_transcript(task: Task, rng: random.Random, noise: float) -> lis
     return messages
 
 
-def with_text_references(messages: list[dict], task: Task, references: dict[str, list], rng: random.Random,
+def with_text_references(messages: list[dict], references: list, rng: random.Random,
                          max_references: int) -> list[dict]:
-    """`messages` with 1..max_references solved transcripts of other tasks of the same kind as
+    """`messages` with 1..max_references of `references` (solved transcripts of other tasks) as
     plain text in the teacher's reference frame (`models.latent.with_reference_block`)."""
     from lopd_cli.models.latent import text_reference_block, with_reference_block
 
-    pool = [r for r in references.get(task.data.get("kind"), []) if r.instruction != task.instruction]
-    if not pool:
+    if not references:
         return messages
-    picked = rng.sample(pool, min(len(pool), rng.randint(1, max_references)))
+    picked = rng.sample(references, min(len(references), rng.randint(1, max_references)))
     return with_reference_block(messages, text_reference_block(picked, REFERENCE_OBS_CHARS, REFERENCE_MAX_CHARS))
+
+
+def base_policy_tasks(n: int, rules_seed: int | None = BASE_POLICY_RULES_SEED) -> list[Task]:
+    """The base policy's own orders tasks: a seed range no train, validation or test task comes
+    from (and any task that an env split also holds is skipped), so every diagnostic and
+    evaluation of a project scores tasks the base policy never saw."""
+    from lopd_cli.envs.orders import generate_tasks, task_fingerprint
+
+    held = {task_fingerprint(t) for hr in (False, True) for s in ("train", "validation", "test")
+            for t in OrdersEnv(house_rules=hr).tasks(s)}
+    return generate_tasks("base", n, held, rules_seed)
 
 
 def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float, reference_fraction: float = 0.0,
               max_references: int = DEFAULTS["max_references"]) -> list[tuple[list[int], list[int]]]:
+    """(ids, action mask) per task. Plain examples imitate the noisy oracle under the tasks' own
+    rules. Reading examples (`reference_fraction`) carry 1..max_references solved transcripts of
+    other tasks of the same store and kind in the teacher's reference frame and imitate the clean
+    oracle; with house rules they are all re-drawn under a *random* rule set, shared by the task
+    and its references, so the only way to get the rule right is to read it off a reference."""
     from types import SimpleNamespace
 
-    clean = random.Random(0)
-    references: dict[str, list] = {}
+    from lopd_cli.envs.orders import make_task, random_store_rules
+
+    def group(t: Task) -> tuple:
+        return (t.data.get("kind"), t.data.get("store"))
+
+    pool: dict[tuple, list[Task]] = {}
     for task in tasks:
-        ref = SimpleNamespace(instruction=task.instruction, messages=noisy_oracle_transcript(task, clean, 0.0))
-        references.setdefault(task.data.get("kind"), []).append(ref)
+        pool.setdefault(group(task), []).append(task)
+    clean = random.Random(0)
     out = []
     for task in tasks:
         if rng.random() < reference_fraction:  # a solved example in the prompt: imitate the clean oracle
-            messages = with_text_references(noisy_oracle_transcript(task, rng, 0.0), task, references, rng,
-                                            max_references)
+            others = [t for t in pool[group(task)] if t.instruction != task.instruction]
+            if "rules" in task.data:
+                rules = random_store_rules(rng)
+                split = task.split
+                task = make_task(task.data["seed"], split, rules=rules)
+                others = [make_task(t.data["seed"], split, rules=rules) for t in others]
+            refs = [SimpleNamespace(instruction=t.instruction, messages=noisy_oracle_transcript(t, clean, 0.0))
+                    for t in others]
+            messages = with_text_references(noisy_oracle_transcript(task, rng, 0.0), refs, rng, max_references)
         else:
             messages = noisy_oracle_transcript(task, rng, noise)
         ids, mask = tokenize_transcript(tokenizer, messages, task.tools)
@@ -149,6 +178,8 @@ def train_orders_base_policy(
     noise: float = DEFAULTS["noise"],
     number_weight: float = DEFAULTS["number_weight"],
     reference_fraction: float = DEFAULTS["reference_fraction"],
+    n_tasks: int = DEFAULTS["n_tasks"],
+    rules_seed: int | None = BASE_POLICY_RULES_SEED,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Path:
     """Train the base policy by imitation of the noisy oracle on the orders train split and save
@@ -166,7 +197,7 @@ def train_orders_base_policy(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model, tokenizer = load_backbone(backbone, device="cpu")
-    tasks = OrdersEnv().tasks("train")
+    tasks = base_policy_tasks(n_tasks, rules_seed)
     data = _examples(tokenizer, tasks, rng, noise, reference_fraction, DEFAULTS["max_references"])
     plen = _common_prefix_len([ids for ids, _ in data]) - 1  # keep >= 1 token in every suffix
     prefix = torch.tensor([data[0][0][:plen]])
@@ -212,26 +243,121 @@ def train_orders_base_policy(
         {"name": "orders-base-tiny", "backbone": backbone, "seed": seed, "steps": steps, "lr": lr,
          "noise": noise, "batch_size": batch_size, "number_weight": number_weight,
          "reference_fraction": reference_fraction, "max_references": DEFAULTS["max_references"],
-         "version": POLICY_VERSION}))
+         "n_tasks": n_tasks, "rules_seed": rules_seed, "version": POLICY_VERSION}))
     return out_dir
 
 
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "models" / "data" / "orders-base-tiny"
+SHIPPED_SEED = 0  # the seed the shipped weights were built from
+
+
+def tensors_sha256(model_dir: Path) -> str:
+    """One hash over every tensor of a saved model (names, dtypes, shapes, bytes): what "bit for
+    bit" means for a rebuild."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in sorted(st.keys()):
+                t = st.get_tensor(name)
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def package_base_policy(trained: Path, dest: Path) -> Path:
+    """Write a trained base policy as package data: weights in float16 (half the size; the
+    tiny model's weights are far inside its range, and projects load them as float32), the
+    tokenizer, and a manifest with the build settings and the weights' hash."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(trained), dtype=torch.float32).to(torch.float16)
+    tmp = Path(str(dest) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(str(trained)).save_pretrained(tmp)
+    manifest = json.loads((Path(trained) / "lopd_model.json").read_text())
+    manifest.update(weights_dtype="float16", weights_sha256=tensors_sha256(tmp))
+    (tmp / "lopd_model.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def shipped_base_policy() -> Path | None:
+    """The base policy that ships inside the package, when it is of the current version."""
+    try:
+        manifest = json.loads((SHIPPED_DIR / "lopd_model.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return SHIPPED_DIR if manifest.get("version") == POLICY_VERSION else None
+
+
 def cached_orders_base_policy(seed: int = 0, progress: Callable[[int, int, float], None] | None = None) -> Path:
-    """The tiny orders base policy for `seed`, trained once and kept in the model cache."""
+    """The tiny orders base policy for `seed`: the shipped one for its seed, otherwise trained
+    once and kept in the model cache."""
     from lopd_cli.models.registry import build_once, cache_dir
 
+    shipped = shipped_base_policy()
+    if shipped is not None and seed == SHIPPED_SEED:
+        return shipped
     out = cache_dir() / "models" / f"orders-base-tiny-s{seed}-v{POLICY_VERSION}"
     return build_once(out, lambda tmp: train_orders_base_policy(tmp, seed=seed, progress=progress))
 
 
 def install_orders_base_policy(dest: Path, seed: int = 0,
                                progress: Callable[[int, int, float], None] | None = None) -> Path:
-    """Copy the (cached) tiny base policy into `dest`, e.g. a project's models/base."""
+    """Copy the tiny base policy (shipped, or cached after one build) into `dest`, e.g. a
+    project's models/base."""
     src = cached_orders_base_policy(seed, progress)
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(src, dest)
     return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lopd_cli.envs.orders_policy [--check] [--steps N] [--out DIR]`: rebuild the
+    shipped base policy from its seed (`make base-policy`); `--check` builds into a temporary
+    folder and compares the weights' hash with the shipped one (bit for bit: same machine
+    type, same torch, `LOPD_THREADS` as recorded in the manifest)."""
+    import argparse
+    import tempfile
+    import time
+
+    ap = argparse.ArgumentParser(prog="python -m lopd_cli.envs.orders_policy", description=main.__doc__)
+    ap.add_argument("--out", type=Path, default=SHIPPED_DIR, help="where to write the packaged policy")
+    ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    ap.add_argument("--tasks", type=int, default=DEFAULTS["n_tasks"], help="imitation tasks (the shipped build: default)")
+    ap.add_argument("--check", action="store_true", help="rebuild in a temporary folder and compare with --out")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+
+    def say(step: int, steps: int, loss: float) -> None:
+        if step % 25 == 0 or step == steps:
+            el = time.perf_counter() - t0
+            print(f"base policy: step {step}/{steps} loss {loss:.3f} ({el:.0f} s, ETA {el / step * (steps - step):.0f} s)",
+                  flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trained = train_orders_base_policy(Path(tmp) / "trained", seed=SHIPPED_SEED, steps=args.steps,
+                                           n_tasks=args.tasks, progress=say)
+        meta = json.loads((trained / "lopd_model.json").read_text())
+        meta["threads"] = __import__("torch").get_num_threads()
+        (trained / "lopd_model.json").write_text(json.dumps(meta))
+        dest = Path(tmp) / "packaged" if args.check else args.out
+        package_base_policy(trained, dest)
+        got = json.loads((dest / "lopd_model.json").read_text())["weights_sha256"]
+        if args.check:
+            want = json.loads((args.out / "lopd_model.json").read_text())["weights_sha256"]
+            print(f"rebuilt {got}\nshipped {want}\n{'identical' if got == want else 'DIFFERENT'}")
+            return 0 if got == want else 1
+    print(f"wrote {dest} (weights sha256 {got}) in {time.perf_counter() - t0:.0f} s")
+    return 0
 
 
 def scripted_agent_records(tasks: list[Task], seed: int = 0, noise: float = 0.3) -> list[dict]:
@@ -252,3 +378,7 @@ def scripted_agent_records(tasks: list[Task], seed: int = 0, noise: float = 0.3)
                         "reward": env.reward(messages), "tools": task.tools,
                         "meta": {"env": "orders", "agent": "scripted", "noise": noise, "seed": seed}})
     return records
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""The tiny orders base policy: shipped as package data, rebuilt from its seed by
+`make base-policy` (python -m lopd_cli.envs.orders_policy), copied into projects by init."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lopd_cli.envs.orders import RECIPE_RULES_SEED
+from lopd_cli.envs.orders_policy import (
+    POLICY_VERSION, SHIPPED_DIR, main, shipped_base_policy, tensors_sha256)
+
+
+def test_the_shipped_policy_is_current_and_matches_its_manifest():
+    assert shipped_base_policy() == SHIPPED_DIR
+    manifest = json.loads((SHIPPED_DIR / "lopd_model.json").read_text())
+    assert manifest["version"] == POLICY_VERSION and manifest["weights_dtype"] == "float16"
+    assert manifest["weights_sha256"] == tensors_sha256(SHIPPED_DIR)
+    assert manifest["rules_seed"] != RECIPE_RULES_SEED  # the recipes' house rules are new to it
+
+
+def test_init_copies_the_shipped_policy(lopd, tmp_path):
+    assert lopd("init", "p", "--example", "orders", "--model", "tiny", cwd=tmp_path).code == 0
+    base = tmp_path / "p" / "models" / "base"
+    assert tensors_sha256(base) == tensors_sha256(SHIPPED_DIR)
+    assert "backbone: ../models/base" in (tmp_path / "p" / "recipes" / "toolcall.yaml").read_text()
+
+
+def test_a_short_build_still_runs_and_is_reproducible(tmp_path, capsys):
+    out = tmp_path / "policy"
+    assert main(["--steps", "3", "--tasks", "24", "--out", str(out)]) == 0
+    manifest = json.loads((out / "lopd_model.json").read_text())
+    assert manifest["steps"] == 3 and manifest["n_tasks"] == 24 and manifest["version"] == POLICY_VERSION
+    assert "base policy: step 3/3" in capsys.readouterr().out
+    from lopd_cli.models.backbone import load_backbone
+
+    model, tok = load_backbone(str(out), device="cpu")
+    assert model.dtype.is_floating_point and len(tok) == model.get_input_embeddings().weight.shape[0]
+    # Bit for bit: the same build again has the same weights' hash.
+    assert main(["--steps", "3", "--tasks", "24", "--out", str(out), "--check"]) == 0
+    assert "identical" in capsys.readouterr().out
