@@ -1,13 +1,19 @@
 """`lopd demo`: the whole pipeline, end to end, in a fresh project on the embedded default.
 
-    init (tiny orders base policy) → base eval on the test split → your agent's logs and
-    student rollouts into the bank → index → cold start → LOPD training → eval of the trained
-    student → export (merged LoRA) → report PNG → a before/after table.
+    init (the shipped tiny orders base policy) → base eval on the test split → your agent's logs
+    and student rollouts into the bank → index → cold start, ending with the before-training
+    check → LOPD training → eval of the trained student → export (merged LoRA) → report PNG →
+    a before/after table.
 
-"Your agent's logs" are the JSONL a team brings to `lopd bank add-rollouts`; the demo makes
-them with a scripted agent (the orders oracle with mistakes, `orders_policy.scripted_agent_records`)
-and writes them to `logs/agent.jsonl` first. They are the user's, not rollouts lopd generated,
-so they do not count toward the training budget; the student's own rollouts do.
+The world is `orders` with house rules (the project's `toolcall.yaml`): each store's refund
+reason, look-up-first rule and sign-off show only in its past successful transcripts, and the
+base policy learned another rule set (`orders_policy.BASE_POLICY_RULES_SEED`). "Your agent's
+logs" are the JSONL a team brings to `lopd bank add-rollouts`; the demo makes them with a
+scripted agent that knows the stores' rules (the orders oracle with mistakes,
+`orders_policy.scripted_agent_records`), on training tasks and on the validation tasks the
+check holds out, and writes them to `logs/agent.jsonl` first. They are the user's, not
+rollouts lopd generated, so they do not count toward the training budget; the student's own
+rollouts do.
 
 Every stage is the same library call the CLI commands make; the demo only chains them in one
 process (one backbone load per stage, as the commands would) and times them. What it
@@ -27,9 +33,9 @@ from typing import Callable
 from lopd_cli.errors import LopdError
 
 # Sized for a laptop: the recipe's own values except these.
-DEMO_OVERRIDES = ["eval.n=64", "coldstart.steps=40", "train.steps=12", "train.save_every=6"]
+DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=40", "train.steps=12", "train.save_every=6"]
 BANK_ROLLOUTS = 64
-AGENT_LOGS = 96
+AGENT_LOGS = 96  # of training tasks; plus one log per validation task (the check's held-out successes)
 DEMO_MARKER = ".lopd-demo"
 
 
@@ -46,6 +52,7 @@ class DemoResult:
     stages: list[Stage] = field(default_factory=list)
     before: object = None  # evaluate.ModelEval
     after: object = None
+    check: dict | None = None  # the before-training check (train/check.py)
     run_dir: Path | None = None
     export_dir: Path | None = None
     report_png: Path | None = None
@@ -113,13 +120,14 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
                                         success_threshold=recipe.eval.success_threshold)
         st.detail = f"success {result.before.success.estimate:.1%}, reward {result.before.reward.estimate:.3f}"
 
-    with _stage(result, f"{AGENT_LOGS} logged rollouts of your agent into the bank", say) as st:
+    with _stage(result, f"your agent's logs into the bank ({AGENT_LOGS} training + the validation tasks)", say) as st:
         from lopd_cli.envs.orders_policy import scripted_agent_records
 
         logs = project.root / "logs" / "agent.jsonl"
         logs.parent.mkdir(exist_ok=True)
-        train_tasks = make_env_factory(recipe)().tasks("train")
-        records = scripted_agent_records(train_tasks[-AGENT_LOGS:], seed=recipe.train.seed)
+        env = make_env_factory(recipe)()
+        records = scripted_agent_records(env.tasks("train")[-AGENT_LOGS:] + env.tasks("validation"),
+                                         seed=recipe.train.seed)
         logs.write_text("".join(json.dumps(r) + "\n" for r in records))
         with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
             res = bank.add_file(logs)
@@ -144,6 +152,12 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
     with _stage(result, "cold start the composer", say) as st:
         cs = run_coldstart(project, recipe, project.runs_dir / "coldstart", show_progress=True)
         st.detail = f"held-out teacher NLL {cs['val_nll_before']:.3f} → {cs['val_nll_after']:.3f}" if cs["val_nll_after"] else ""
+        result.check = cs.get("check")
+    if result.check:
+        from lopd_cli.train.check import check_lines
+
+        for line in check_lines(result.check):
+            say(f"    {line}")
 
     with _stage(result, "LOPD training", say) as st:
         result.run_dir = project.runs_dir / "lopd"
@@ -182,6 +196,7 @@ def summary(result: DemoResult) -> dict:
         "stages": [s.__dict__ for s in result.stages],
         "before": result.before.to_dict() if result.before else None,
         "after": result.after.to_dict() if result.after else None,
+        "check": result.check,
         "run_dir": str(result.run_dir) if result.run_dir else None,
         "export_dir": str(result.export_dir) if result.export_dir else None,
         "report_png": str(result.report_png) if result.report_png else None,

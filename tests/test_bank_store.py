@@ -125,7 +125,7 @@ def test_export_then_add_into_a_fresh_bank_gives_identical_rows(project, tmp_pat
 
 
 def test_show_stats_and_rm(project, tmp_path, capsys):
-    f = write_jsonl(tmp_path / "r.jsonl", [record(i, reward=0.9 if i < 3 else 0.1) for i in range(5)])
+    f = write_jsonl(tmp_path / "r.jsonl", [record(i, reward=1.0 if i < 3 else 0.1) for i in range(5)])
     lopd(capsys, "bank", "add-rollouts", f, "-C", project.root)
     rc, out, _ = lopd(capsys, "bank", "stats", "-C", project.root, "--json")
     s = json.loads(out)

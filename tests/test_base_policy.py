@@ -40,3 +40,35 @@ def test_a_short_build_still_runs_and_is_reproducible(tmp_path, capsys):
     # Bit for bit: the same build again has the same weights' hash.
     assert main(["--steps", "3", "--tasks", "24", "--out", str(out), "--check"]) == 0
     assert "identical" in capsys.readouterr().out
+
+
+def test_reading_examples_mark_a_rule_their_reference_shows():
+    """House-rules reading examples: the rule tokens the policy writes (weighted in its loss)
+    spell a sign-off (and refund reason) that the references in the frame show, under a rule
+    set drawn for that example; plain examples follow the policy's own rules."""
+    import random
+
+    from lopd_cli.envs.orders import SIGN_OFFS, store_rules
+    from lopd_cli.envs.orders_policy import BASE_POLICY_RULES_SEED, _examples, base_policy_tasks
+    from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.models.latent import FRAMING_AFTER, FRAMING_BEFORE
+
+    _, tok = load_backbone("tiny", device="cpu")
+    tasks = base_policy_tasks(60)
+    own = store_rules(BASE_POLICY_RULES_SEED)
+    framed = _examples(tok, tasks, random.Random(2), noise=0.0, reference_fraction=1.0)
+    plain = _examples(tok, tasks, random.Random(2), noise=0.0, reference_fraction=0.0)
+    n_read, differs = 0, 0
+    for task, (ids, mask), (pids, pmask) in zip(tasks, framed, plain):
+        marked = "".join(tok.decode([t]) for t, m in zip(pids, pmask) if m == 2)
+        assert marked.endswith(own[task.data["store"]]["sign_off"])
+        text = tok.decode(ids)
+        if FRAMING_BEFORE.strip() not in text:
+            continue
+        n_read += 1
+        refs = text.split(FRAMING_BEFORE.strip())[1].split(FRAMING_AFTER.strip())[0]
+        marked = "".join(tok.decode([t]) for t, m in zip(ids, mask) if m == 2)
+        sign_off = next(s for s in SIGN_OFFS if marked.endswith(s))
+        assert sign_off in refs
+        differs += sign_off != own[task.data["store"]]["sign_off"]
+    assert n_read >= len(tasks) // 2 and differs > 0

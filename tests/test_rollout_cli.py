@@ -56,17 +56,26 @@ def test_a_reward_plugin_that_returns_nonsense_is_named(lopd, project, tmp_path)
 
 @pytest.mark.slow
 def test_tiny_base_policy_succeeds_sometimes_but_not_mostly(lopd, tmp_path):
-    """`lopd init` trains (or copies the cached) tiny orders base policy; train success at
-    temperature 1.0 lands in the 10–40 % band."""
+    """`lopd init` copies the shipped tiny orders base policy. Under its own house rules
+    (rules_seed 101) it succeeds on some but not most test tasks (greedy); under the recipe's
+    rules, new to it, less often: what it lacks is the stores' rules, not the skill."""
+    from lopd_cli.envs.orders_policy import BASE_POLICY_RULES_SEED
+
     assert lopd("init", "p", "--example", "orders", "--model", "tiny", cwd=tmp_path).code == 0
     project = tmp_path / "p"
     assert (project / "models" / "base" / "config.json").is_file()
     assert "backbone: ../models/base" in (project / "recipes" / "toolcall.yaml").read_text()
-    r = lopd("rollout", "--recipe", "toolcall", "-n", "64", "--json", cwd=project)
-    assert r.code == 0, r
-    s = json.loads(r.out)
-    assert 0.10 <= s["success_rate"] <= 0.40, s
-    assert lopd("bank", "add-rollouts", s["out"], cwd=project).code == 0
+
+    def success(*sets: str) -> float:
+        r = lopd("eval", "--recipe", "toolcall", "--split", "test", "-n", "64", "--json", *sets, cwd=project)
+        assert r.code == 0, r
+        return json.loads(r.out)["models"][0]["success"]["mean"]
+
+    own = success("--set", f"env.kwargs={{house_rules: true, rules_seed: {BASE_POLICY_RULES_SEED}}}")
+    new = success()
+    assert 0.10 <= own <= 0.50 and new < own, (own, new)
+    r = lopd("rollout", "--recipe", "toolcall", "-n", "8", "--json", cwd=project)
+    assert r.code == 0 and lopd("bank", "add-rollouts", json.loads(r.out)["out"], cwd=project).code == 0
 
 
 @pytest.mark.slow

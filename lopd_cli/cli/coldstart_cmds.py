@@ -45,30 +45,11 @@ def coldstart(
 
 
 def print_check(check: dict) -> None:
-    """The before-training check (lopd_cli/train/check.py) as a table and two verdict lines."""
-    from rich.table import Table
+    """The before-training check (lopd_cli/train/check.py)."""
+    from lopd_cli.train.check import check_lines
 
-    from lopd_cli.train.check import LABELS, MODES
-
-    nll = check["nll"]
-    split = any(v.get("rule") is not None for v in nll.values())
-    table = Table(title=f"Will LOPD help here? Teacher NLL per action token on {check['n_examples']} held-out "
-                        "validation successes (lower is better)")
-    table.add_column("teacher sees")
-    table.add_column("all tokens", justify="right")
-    if split:
-        table.add_column("rule tokens", justify="right")
-        table.add_column("other tokens", justify="right")
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    for m in MODES:
-        row = [LABELS[m], fmt(nll[m]["all"])]
-        if split:
-            row += [fmt(nll[m].get("rule")), fmt(nll[m].get("other_tokens"))]
-        table.add_row(*row)
-    console.print(table)
-    console.print(f"  latents' task spread: {check['task_spread']:.1%}")
-    for line in check["verdicts"]:
-        console.print(f"  {line}")
+    for line in check_lines(check):
+        console.print(f"  {line}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,26 +1,30 @@
 """The tiny base policy for `orders`: short imitation of a noisy scripted oracle.
 
-LOPD needs a base model that already succeeds sometimes. The embedded `tiny` backbone has
-random weights, so `lopd init --example orders --model tiny` trains it for 900 steps on
-transcripts of the oracle (`orders.oracle_plan`) in which some episodes carry a mistake (a
-wrong id, stopping early, an answer missing its fact). The result succeeds on some but not
-most training tasks at temperature 1.0 (see benchmarks/RESULTS.md). Seeded and reproducible
-on a given machine; the model is cached in `$LOPD_CACHE/models/` and copied into projects.
+LOPD needs a base model that already succeeds sometimes, calls tools and can read a solved
+example — and that lacks the knowledge LOPD should teach. The embedded `tiny` backbone has
+random weights, so this module trains it (900 steps) on transcripts of the oracle
+(`orders.oracle_plan`) in the house-rules world, on tasks of its own seed range ("base": no
+train, validation or test task is among them) and under its own rule set
+(`BASE_POLICY_RULES_SEED`, not the recipes'). The result ships in the package
+(`lopd_cli/models/data/orders-base-tiny`, float16) and `lopd init --example orders --model tiny`
+copies it; `python -m lopd_cli.envs.orders_policy` (`make base-policy`) rebuilds it bit for bit
+from its seed, `--check` compares.
 
-Why 900 steps: the tiny model learns the call format within ~100 steps but learns to copy ids
-from the context only after a sudden drop of the loss around step 550-750 (an induction-head
-style transition). At 300 steps it succeeded on 1.6 % of training tasks at T = 1, at 600 on
-4.7 %, at 900 on 18.8 % (64 tasks; greedy 39 %; version 2).
-
-Why some examples carry references (version 3): LOPD and OPSD put a framed reference block in
-the teacher's prompt. An instruct LM has seen documents with worked examples and does better
-with one in its prompt; a tiny model trained on plain prompts has not, and the frame alone
-cost it 0.63 nats per action token (version 2, benchmarks/RESULTS.md). So 40 % of the
-imitation examples hold 1-2 solved transcripts of other tasks of the same kind, as text in
-the very frame the teachers use (`models.latent.with_reference_block`), and those examples
-imitate the oracle without mistakes. This builds in, on purpose and only for the tiny stand-in,
-the premise every privileged-context method relies on: a solved example in the prompt helps.
-Plain prompts keep the noisy oracle, so the student alone still fails often.
+- Plain examples imitate the oracle with a mistake in 25 % of episodes (a wrong id, stopping
+  early, an answer missing its fact), under the policy's own rules: alone it succeeds on some
+  but not most tasks, and on a new rule set less often.
+- Reading examples (half) carry 1-2 solved transcripts of other tasks of the same store and kind
+  as text in the very frame the teachers use (`models.latent.with_reference_block`), and imitate
+  the clean oracle. Their task and references are re-drawn under a rule set drawn at random for
+  that example, so the rule can only be read off the reference. An instruct LM has seen worked
+  examples and does better with one in its prompt; a tiny model must be taught it. This builds
+  in, on purpose and only for the tiny stand-in, the premise every privileged-context method
+  relies on: a solved example of the same procedure in the prompt helps.
+- Number tokens (ids, amounts) and rule tokens (the refund reason and sign-off the policy
+  writes) weigh 10× in the loss: they are few among the format tokens, and copying them from
+  the context is what a tiny model learns last (an induction-style drop of the loss around
+  step 550-750). Version 4 weighted numbers only: it copied ids but read a rule off a
+  reference no better than a guess among four (benchmarks/RESULTS.md, "House rules").
 
 Training shares the prompt prefix all orders episodes have in common (system prompt + tool
 schemas): it is run once per step (batch 1, with gradients) and its KV cache is repeated for
@@ -40,9 +44,9 @@ from lopd_cli.agent.toolcalls import to_openai_tool_calls
 from lopd_cli.agent.types import Task, ToolCall
 from lopd_cli.envs.orders import OrdersEnv, oracle_plan
 
-POLICY_VERSION = 4  # bump when the recipe below changes, so cached policies are rebuilt
-DEFAULTS = dict(steps=900, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0,
-                reference_fraction=0.4, max_references=2, n_tasks=1024)
+POLICY_VERSION = 5  # bump when the recipe below changes, so cached policies are rebuilt
+DEFAULTS = dict(steps=900, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0, rule_weight=10.0,
+                reference_fraction=0.5, max_references=2, n_tasks=1024)
 # The rule set the base policy learns: not the packaged recipes' (orders.RECIPE_RULES_SEED), so the
 # demo's house rules are new to it, as a new store's would be to a team's existing agent.
 BASE_POLICY_RULES_SEED = 101
@@ -133,8 +137,22 @@ def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float, re
         else:
             messages = noisy_oracle_transcript(task, rng, noise)
         ids, mask = tokenize_transcript(tokenizer, messages, task.tools)
+        if "rules" in task.data:
+            mask = mark_rule_tokens(tokenizer, ids, mask, task.data["rules"])
         out.append((ids, mask))
     return out
+
+
+def mark_rule_tokens(tokenizer, ids: list[int], mask: list[int], rules: dict) -> list[int]:
+    """The action mask with 2 (instead of 1) on the action tokens that spell a house rule (the
+    refund reason, the sign-off), which the loss weighs `rule_weight` times: like numbers, they
+    are few among the format tokens, and reading them off a reference is the skill that a tiny
+    model otherwise learns last."""
+    from lopd_cli.train.check import rule_token_mask
+
+    start = mask.index(1) if 1 in mask else len(mask)
+    marks = iter(rule_token_mask(tokenizer, ids[start:], mask[start:], [rules["refund_reason"], rules["sign_off"]]))
+    return [m if i < start or not m else (2 if next(marks) else 1) for i, m in enumerate(mask)]
 
 
 def number_token_ids(tokenizer) -> list[int]:
@@ -177,6 +195,7 @@ def train_orders_base_policy(
     lr: float = DEFAULTS["lr"],
     noise: float = DEFAULTS["noise"],
     number_weight: float = DEFAULTS["number_weight"],
+    rule_weight: float = DEFAULTS["rule_weight"],
     reference_fraction: float = DEFAULTS["reference_fraction"],
     n_tasks: int = DEFAULTS["n_tasks"],
     rules_seed: int | None = BASE_POLICY_RULES_SEED,
@@ -216,16 +235,17 @@ def train_orders_base_policy(
         del order[:batch_size]
         width = max(len(ids) for ids, _ in batch) - plen
         x = torch.full((len(batch), width), pad, dtype=torch.long)
-        m = torch.zeros((len(batch), width), dtype=torch.bool)
+        m = torch.zeros((len(batch), width), dtype=torch.float32)
         for r, (ids, mask) in enumerate(batch):
             x[r, : len(ids) - plen] = torch.tensor(ids[plen:])
-            m[r, : len(ids) - plen] = torch.tensor(mask[plen:], dtype=torch.bool)
+            m[r, : len(ids) - plen] = torch.tensor(mask[plen:], dtype=torch.float32)
         cache = model(input_ids=prefix, use_cache=True).past_key_values
         cache.batch_repeat_interleave(len(batch))
         logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
         # Suffix position j predicts suffix token j + 1 (right padding never feeds the loss).
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, x[:, 1:, None]).squeeze(-1)
-        target = m[:, 1:].float() * (1.0 + (number_weight - 1.0) * is_number[x[:, 1:]])
+        weight = torch.where(m[:, 1:] > 1, rule_weight, 1.0 + (number_weight - 1.0) * is_number[x[:, 1:]])
+        target = (m[:, 1:] > 0).float() * weight
         loss = -(logp * target).sum() / target.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -241,7 +261,7 @@ def train_orders_base_policy(
     tokenizer.save_pretrained(out_dir)
     (out_dir / "lopd_model.json").write_text(json.dumps(
         {"name": "orders-base-tiny", "backbone": backbone, "seed": seed, "steps": steps, "lr": lr,
-         "noise": noise, "batch_size": batch_size, "number_weight": number_weight,
+         "noise": noise, "batch_size": batch_size, "number_weight": number_weight, "rule_weight": rule_weight,
          "reference_fraction": reference_fraction, "max_references": DEFAULTS["max_references"],
          "n_tasks": n_tasks, "rules_seed": rules_seed, "version": POLICY_VERSION}))
     return out_dir

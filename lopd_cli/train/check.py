@@ -185,8 +185,19 @@ def verdict_lines(gaps: dict[str, Gap], spread: float, min_spread: float = 0.02)
     return [f"Does a teacher beat the student? {beats}", f"Do the latents carry the task's references? {carry}"]
 
 
-def table_rows(result: CheckResult) -> list[tuple[str, ...]]:
-    """(mode label, NLL all, NLL rule, NLL other) rows for a console table."""
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    return [(LABELS[m], fmt(result.nll[m]["all"]), fmt(result.nll[m].get("rule")), fmt(result.nll[m].get("other_tokens")))
-            for m in MODES]
+def check_lines(check: dict) -> list[str]:
+    """The check (`CheckResult.to_dict()`) as plain text lines: a small table, spread, verdicts."""
+    fmt = lambda x: "      -" if x is None else f"{x:7.3f}"  # noqa: E731
+    nll = check["nll"]
+    split = any(v.get("rule") is not None for v in nll.values())
+    width = max(len(v) for v in LABELS.values())
+    head = f"{'teacher sees':<{width}}  {'all':>7}" + (f"  {'rule':>7}  {'other':>7}" if split else "")
+    lines = [f"Will LOPD help here? teacher NLL per action token, {check['n_examples']} held-out validation successes",
+             head]
+    for m in MODES:
+        row = f"{LABELS[m]:<{width}}  {fmt(nll[m]['all'])}"
+        if split:
+            row += f"  {fmt(nll[m].get('rule'))}  {fmt(nll[m].get('other_tokens'))}"
+        lines.append(row)
+    lines.append(f"latents' task spread: {check['task_spread']:.1%}")
+    return lines + list(check["verdicts"])
