@@ -25,6 +25,9 @@ def test_other_task_partners_share_no_reference():
     for i, j in enumerate(partners):
         assert j != i and not refs[i] & refs[j]
     assert other_task_partners([{1}, {1}]) == [0, 1]  # nobody to borrow from: itself
+    groups = ["a", "a", "b", "a", "b"]
+    for i, j in enumerate(other_task_partners(refs, groups)):
+        assert groups[j] != groups[i] and not refs[i] & refs[j]
 
 
 def test_rule_token_mask_marks_action_tokens_that_carry_a_rule():

@@ -7,7 +7,8 @@ the base model trained on), the frozen teacher's NLL per action token is measure
 
     none      no reference block: the student's own view (the same backbone, no adapters)
     learned   the latents c_φ of the task's own retrieved references
-    other     the latents of another task's references (none in common with its own):
+    other     the latents of another task's references (none in common with its own, and
+              where the world names its rules, of a task under other rules: another store's):
               the right form without this task's information
     text      the same references as plain text in the same frame (what OPSD's teacher reads)
 
@@ -61,20 +62,18 @@ def paired_gap(a: Sequence[float], b: Sequence[float]) -> Gap:
     return Gap(m, m - half, m + half, n)
 
 
-def other_task_partners(ref_ids: Sequence[set]) -> list[int]:
-    """For each example, another example whose references share none with its own (searched
-    from half-way round the list, so neighbours, often of one kind, are not preferred); itself
-    when there is none."""
+def other_task_partners(ref_ids: Sequence[set], groups: Sequence | None = None) -> list[int]:
+    """For each example, another example whose references share none with its own and, when
+    `groups` are given (the rules an example's world applies, e.g. its store's), of another
+    group: searched from half-way round the list, so neighbours, often of one kind, are not
+    preferred. Without such an example: any with disjoint references; at worst itself."""
     n = len(ref_ids)
     out = []
     for i in range(n):
-        partner = i
-        for k in range(n // 2, n // 2 + n):
-            j = (i + k) % n
-            if j != i and not (ref_ids[i] & ref_ids[j]):
-                partner = j
-                break
-        out.append(partner)
+        candidates = [(i + k) % n for k in range(n // 2, n // 2 + n)]
+        disjoint = [j for j in candidates if j != i and not (ref_ids[i] & ref_ids[j])]
+        other_group = [j for j in disjoint if groups is not None and groups[j] != groups[i]]
+        out.append((other_group or disjoint or [i])[0])
     return out
 
 
@@ -139,7 +138,8 @@ def run_check(model, tokenizer, composer, examples: Sequence, batch_size: int = 
     """The check on `examples` (coldstart.Example: a held-out success and its references)."""
     from lopd_cli.train.coldstart import latent_task_spread, teacher_example_logprobs
 
-    partners = other_task_partners([{getattr(r, "id", None) for r in ex.refs} for ex in examples])
+    groups = [tuple(rule_strings(ex.episode.task.instruction)) for ex in examples] if rule_strings else None
+    partners = other_task_partners([{getattr(r, "id", None) for r in ex.refs} for ex in examples], groups)
     per_mode = {m: [lp.tolist() for lp in teacher_example_logprobs(
         model, tokenizer, composer, examples, "other" if m == "other" else m, batch_size,
         obs_char_budget=obs_char_budget, text_max_chars=text_max_chars, partners=partners)] for m in MODES}
