@@ -27,14 +27,15 @@ def test_step_overhead_quick(tmp_path):
     assert tiny["shapes"]["teacher_tokens"] > tiny["shapes"]["student_tokens"]  # reference block + latents
     for prec in ("fp32", "bf16"):
         s = tiny["summary"][prec]
-        assert set(s["seconds"]) == {"sft", "student", "lopd", "enc_fwd", "enc_fwdbwd", "head_pass"}
+        assert set(s["seconds"]) == {"sft", "student", "lopd", "lopd_share", "lopd_off", "enc_fwd", "enc_fwdbwd",
+                                     "head_pass"}
         assert all(v > 0 for v in s["seconds"].values())
         assert s["ratio_to_sft"]["sft"] == 1.0
-        assert set(s["over_floor"]) == {"student", "lopd"}
-        assert set(s["lopd_phase_seconds"]) == {"teacher", "student", "composer"}
+        assert {"student", "lopd"} <= set(s["over_floor"])
+        assert {"teacher", "student", "composer"} <= set(s["lopd_phase_seconds"])
         assert len(tiny["timing"][prec]["runs"]["lopd"]) == 2
     mem = tiny["summary"]["fp32"]["memory"]
-    assert set(mem) == {"sft", "student", "lopd"}
+    assert {"sft", "student", "lopd", "lopd_share", "lopd_off"} <= set(mem)
     for phase in mem.values():
         assert phase["peak_rss_mib"] >= phase["setup_peak_rss_mib"] > 0
     assert "| fp32 | lopd |" in res.stdout
