@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "model": args.model, "bank_rollouts": added.successes, "train_examples": summary["train_examples"],
         "heldout_examples": len(val), "steps": summary["steps"], "coldstart_seconds": round(seconds, 1),
-        "nll_learned_before": round(before, 4), **{f"nll_{k}": round(v, 4) for k, v in nll.items()},
+        "nll_learned_before": round(before, 6), **{f"nll_{k}": round(v, 6) for k, v in nll.items()},
         "latent_task_spread_before": round(spread_before, 4), "latent_task_spread": round(spread, 4),
         "nll_gap": round(nll["shuffled"] - nll["learned"], 4),  # > 0: the composer carries its references
         "composer_keys": recipe.composer.key_tokens, "contrastive_weight": recipe.coldstart.contrastive_weight,
