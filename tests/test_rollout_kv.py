@@ -17,21 +17,10 @@ from lopd_cli.agent.runner import run_episodes
 from lopd_cli.agent.toolcalls import render_tool_call
 from lopd_cli.config import RolloutSection
 from lopd_cli.envs.orders import OrdersEnv, oracle_plan
-from lopd_cli.models.backbone import load_backbone
 from lopd_cli.rollout.base import Generation
 from lopd_cli.rollout.hf import HFBackend
 
-from test_agent_runner import ScriptedBackend
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_backbone("tiny", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def tasks():
-    return OrdersEnv(n_train=16, n_validation=4, n_test=16).tasks("test")
+from test_agent_runner import ScriptedBackend, tasks, tiny  # noqa: F401  (fixtures shared with the runner tests)
 
 
 class MultiTurnOrders(OrdersEnv):
