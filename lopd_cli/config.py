@@ -133,6 +133,9 @@ class TrainSection(Section):
     # more on successes than on failures); "paper" = token mean of (2r − 1)·δ, which a teacher
     # that merely differs from the student satisfies when most rollouts fail. train/losses.py.
     margin_advantage: Literal["centred", "paper"] = "centred"
+    # LOPD and OPSD: scale each token's distillation by how much the task's own references change
+    # the teacher there against another task's (train/distill.py, losses.privilege_weights).
+    privilege_gate: bool = False
     anchor_lambda: float = Field(0.2, ge=0.0)  # weight of ‖c − c0‖² (summed over a task's elements)
     # Dual step β += η (m − Δ); Δ is in nats per token, so η = 10 (= the paper's 0.5 / m) raises β
     # by 0.5 for a shortfall of one default margin (the paper's 0.5 moves β ≤ 0.025 a step).

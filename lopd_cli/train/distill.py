@@ -66,6 +66,10 @@ class DistillSetup:
     # No-grad latents kept while φ does not change (the trainer clears it when φ steps); None:
     # a fresh one per call, so each distinct (task, item) is still encoded once per step.
     nograd_latents: "NoGradLatents | None" = None
+    # Scale each token's student KL by how much the task's own references change the teacher
+    # there, against another task's (losses.privilege_weights): distil where the teacher is
+    # privileged, not wherever the reference frame merely shifts it. One more no-grad teacher pass.
+    privilege_gate: bool = False
 
 
 @dataclass
@@ -76,6 +80,7 @@ class DistillOutcome:
     anchor: float = 0.0
     composer_loss: float = 0.0
     contrastive: float = 0.0
+    gate: float | None = None  # token mean of the privilege weights (privilege_gate only)
     margin_defined: bool = True  # False: centred Δ on a batch with no reward spread (no dual step)
     n_tokens: int = 0
     seconds: dict = field(default_factory=dict)
@@ -120,6 +125,20 @@ def encode_latents(composer, refs: Sequence[Sequence], instrs: Sequence[str],
         rows = fresh[torch.tensor([pos[k] for k in keys], device=fresh.device)]
     K, d = composer.latents_per_item, composer.dims.dim
     return rows.reshape(len(refs), n * K, d)
+
+
+def control_references(episodes: Sequence[Episode], refs: Sequence[Sequence]) -> list[list | None]:
+    """For each row, the references of the next row (cyclically) of another task whose retrieved
+    items are not the same set: the privilege gate's control block. None where the batch has no
+    such row (one task only): that row is then distilled ungated."""
+    ids = [{getattr(it, "id", id(it)) for it in r} for r in refs]
+    out: list[list | None] = []
+    n = len(episodes)
+    for i in range(n):
+        j = next((j for j in ((i + k) % n for k in range(1, n))
+                  if episodes[j].task.id != episodes[i].task.id and ids[j] != ids[i]), None)
+        out.append(list(refs[j]) if j is not None else None)
+    return out
 
 
 class NoGradLatents:
@@ -231,14 +250,34 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
                 th = teacher_hidden(model, tb, th_empty_latents(len(eps), device, model))
             return to_student_layout(th, tb, tuple(collate_shape(eps))), latents, tb
 
-    def student_pass(sb, t_lp, t_ids, w_seq):
+    controls = control_references(episodes, refs) if setup.privilege_gate else None
+    gate_sum, gate_n = 0.0, 0
+
+    def gate_of(rows, eps, sb, t_lp, t_ids):
+        """Privilege weights (B, T) of a micro-batch, or None (gate off)."""
+        nonlocal gate_sum, gate_n
+        if controls is None:
+            return None
+        have = [controls[i] is not None for i in rows]
+        crefs = [controls[i] if controls[i] is not None else list(refs[i]) for i in rows]
+        with torch.no_grad():
+            c_pred, _, _ = teacher(eps, crefs, grad=False)
+            c_lp, _ = losses.chunked_logprobs(c_pred, head, topm_ids=t_ids, mask=sb.mask, chunk_size=setup.logit_chunk)
+            w = losses.privilege_weights(t_lp, c_lp)
+            w[~torch.tensor(have, device=w.device)] = 1.0  # no control in the batch: ungated
+            m = sb.mask.bool()
+            gate_sum += float(w[m].sum())
+            gate_n += int(m.sum())
+        return w
+
+    def student_pass(sb, t_lp, t_ids, w_seq, weight=None):
         with use_student(model), _autocast(setup.autocast, device):
             s_pred = student_hidden(model, sb)
             s_topm_g, s_tok_g = losses.chunked_logprobs(
                 s_pred, head, topm_ids=t_ids, token_ids=sb.targets if lopd else None, mask=sb.mask,
                 chunk_size=setup.logit_chunk,
             )
-            kl = losses.topm_reverse_kl(s_topm_g, t_lp, sb.mask)
+            kl = losses.topm_reverse_kl(s_topm_g, t_lp, sb.mask, weight=weight)
         (kl.loss * w_seq).backward()
         return float(kl.loss.detach()), s_tok_g.detach() if s_tok_g is not None else None
 
@@ -257,15 +296,16 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         if lopd:
             with torch.no_grad():
                 t_tok = losses.chunked_token_logprobs(t_pred, head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
+        del t_pred
+        gate = gate_of(rows, eps, sb, t_lp, t_ids)
         sec["teacher"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        kl_v, s_tok = student_pass(sb, t_lp, t_ids, w_seq)
+        kl_v, s_tok = student_pass(sb, t_lp, t_ids, w_seq, gate)
         out.kl += kl_v * w_seq
         kl_plain += kl_v * w_seq
         if lopd:
             out.delta += float(delta_of(t_tok, s_tok, sb, rows)) * delta_weight(sb, n_seq_total, n_tok_total)
         sec["student"] += time.perf_counter() - t0
-        del t_pred
 
     # Composer rows: teacher with grad → student log-probs (no grad) → composer backward → student.
     for lo in range(0, len(idx_c), setup.micro_batch):
@@ -282,6 +322,7 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         t_pred, latents, tb = teacher(eps, mrefs, grad=True)
         t_lp, t_ids = losses.chunked_teacher_topm(t_pred.detach(), head, setup.top_m, mask=sb.mask,
                                                   chunk_size=setup.logit_chunk)
+        gate = gate_of(rows, eps, sb, t_lp, t_ids)
         sec["teacher"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         with torch.no_grad(), use_student(model), _autocast(setup.autocast, device):
@@ -313,7 +354,7 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         out.anchor += float(anchor.detach()) * wc_task
         sec["composer"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        kl_v, _ = student_pass(sb, t_lp, t_ids, w_seq)
+        kl_v, _ = student_pass(sb, t_lp, t_ids, w_seq, gate)
         out.kl += kl_v * w_seq
         sec["student"] += time.perf_counter() - t0
     if lopd:
@@ -321,6 +362,8 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
             out.composer_kl = kl_plain
         out.composer_loss = (out.composer_kl + beta * (setup.margin_m - out.delta) + setup.anchor_lambda * out.anchor
                              + setup.contrastive_weight * out.contrastive)
+    if controls is not None:
+        out.gate = gate_sum / max(gate_n, 1)
     out.seconds = sec if lopd else {k: v for k, v in sec.items() if k != "encode"}
     out.finite = all(map(_finite, (out.kl, out.composer_kl, out.delta, out.anchor)))
     return out

@@ -369,6 +369,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
             contrastive_weight=t.contrastive_weight, contrastive_margin=t.contrastive_margin,
             success_threshold=tr.recipe.eval.success_threshold,
             composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
+            privilege_gate=t.privilege_gate,
         )
         o = distill_update(setup, episodes, refs, tr.state.beta, totals)
         if dist.is_distributed():
@@ -380,6 +381,8 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
                                + t.contrastive_weight * o.contrastive)
             o.finite = all(map(math.isfinite, (o.kl, o.composer_kl, o.delta, o.anchor)))
         row.update(loss=o.kl, kl=o.kl)
+        if o.gate is not None:
+            row["gate"] = o.gate
         if tr.algo == "lopd":
             # margin_binds: the constraint Δ ≥ m is violated this step (β rises); None when the
             # centred Δ is undefined (all rewards equal: no dual step).

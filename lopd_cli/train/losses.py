@@ -318,11 +318,15 @@ def topm_reverse_kl(
     mask: Tensor,
     *,
     detach: Literal["teacher", "student"] = "teacher",
+    weight: Tensor | None = None,
 ) -> MaskedLoss:
     """L = sequence_mean(KL(p̃^S ‖ p̃^T), ω) on top-M+tail log-probs (B, T, M+1).
 
     detach="teacher": the student pass (gradient into θ only, teacher is a constant).
     detach="student": the composer pass, KL(sg[S] ‖ T) (gradient into φ through the teacher).
+    weight (B, T), no gradient: each token's KL is scaled by it (`privilege_weights`); the
+    sequence mean still divides by the supervised tokens, so a weight of 0 removes a token's
+    pull without raising the others'.
     """
     if detach == "teacher":
         teacher_logprobs = teacher_logprobs.detach()
@@ -331,8 +335,23 @@ def topm_reverse_kl(
     else:
         raise ValueError(f"detach must be 'teacher' or 'student', not {detach!r}")
     per_token = topm_kl_per_token(student_logprobs, teacher_logprobs)
+    if weight is not None:
+        per_token = per_token * weight.detach().to(per_token.dtype)
     per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
     return MaskedLoss(sequence_mean(per_token, mask), per_token)
+
+
+def privilege_weights(teacher_logprobs: Tensor, control_logprobs: Tensor) -> Tensor:
+    """Where the teacher's references matter: the total-variation distance between the teacher
+    with the task's own references and the same teacher with another task's (a control block of
+    the same form), on the teacher's top-M+tail buckets: (..., M+1) × 2 -> (...) in [0, 1], no grad.
+
+    A token whose prediction the references do not change (the frame's general effect, shared by
+    both blocks) gets ~0; one that the task's own references decide (a store's rule) gets up to
+    1. The student is not in it: this measures privilege, not disagreement with the student."""
+    with torch.no_grad():
+        p, q = teacher_logprobs.float().exp(), control_logprobs.float().exp()
+        return (0.5 * (p - q).abs().sum(-1)).clamp(0.0, 1.0)
 
 
 def reverse_kl_topm(
