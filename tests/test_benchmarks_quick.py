@@ -203,3 +203,22 @@ def test_real_model_bfcl_refuses_a_work_folder_it_did_not_make(tmp_path):
     with pytest.raises(SystemExit, match="not made by this script"):
         real_model_bfcl.main(["--quick", "--work", str(tmp_path)])
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_signoffs_counts_each_store_by_rule_set():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from signoffs import count_signoffs
+
+    from lopd_cli.envs.orders import RECIPE_RULES_SEED, store_rules
+    from lopd_cli.envs.orders_policy import BASE_POLICY_RULES_SEED
+
+    recipe, base = store_rules(RECIPE_RULES_SEED)["Cedar"], store_rules(BASE_POLICY_RULES_SEED)["Cedar"]
+    assert recipe["sign_off"] != base["sign_off"]
+
+    def rec(answer, reward):
+        return json.dumps({"instruction": "[Cedar] Please cancel order 3.", "reward": reward, "messages": [
+            {"role": "user", "content": "[Cedar] Please cancel order 3."},
+            {"role": "assistant", "content": f"Order 3 is cancelled. {answer}"}]})
+
+    got = count_signoffs([rec(recipe["sign_off"], 1.0), rec(base["sign_off"], 0.8), rec("", 0.6)])
+    assert got == {"Cedar": {"tasks": 3, "success": 1, "recipe": 1, "base": 1, "other": 0, "none": 1}}
