@@ -29,16 +29,17 @@ def test_init_copies_the_shipped_policy(lopd, tmp_path):
 
 def test_a_short_build_still_runs_and_is_reproducible(tmp_path, capsys):
     out = tmp_path / "policy"
-    assert main(["--steps", "3", "--tasks", "24", "--out", str(out)]) == 0
+    assert main(["--steps", "3", "--tasks", "24", "--spread-steps", "2", "--out", str(out)]) == 0
     manifest = json.loads((out / "lopd_model.json").read_text())
     assert manifest["steps"] == 3 and manifest["n_tasks"] == 24 and manifest["version"] == POLICY_VERSION
-    assert "base policy: step 3/3" in capsys.readouterr().out
+    assert manifest["spread_phase"] == {"steps": 2, "lr": 1e-3, "n_tasks": 48, "plain_rules": "random"}
+    assert "base policy: step 5/5" in capsys.readouterr().out
     from lopd_cli.models.backbone import load_backbone
 
     model, tok = load_backbone(str(out), device="cpu")
     assert model.dtype.is_floating_point and len(tok) == model.get_input_embeddings().weight.shape[0]
     # Bit for bit: the same build again has the same weights' hash.
-    assert main(["--steps", "3", "--tasks", "24", "--out", str(out), "--check"]) == 0
+    assert main(["--steps", "3", "--tasks", "24", "--spread-steps", "2", "--out", str(out), "--check"]) == 0
     assert "identical" in capsys.readouterr().out
 
 
@@ -72,3 +73,34 @@ def test_reading_examples_mark_a_rule_their_reference_shows():
         assert sign_off in refs
         differs += sign_off != own[task.data["store"]]["sign_off"]
     assert n_read >= len(tasks) // 2 and differs > 0
+
+
+def test_spread_phase_examples_draw_plain_rules_at_random():
+    """Phase 2 of the build (`plain_rules="random"`): plain examples, with no reference to read,
+    follow rule sets drawn per example, so one store's examples show several sign-offs and the
+    policy cannot learn one rule set by heart; the default keeps the policy's own rules."""
+    import random
+
+    from lopd_cli.envs.orders import SIGN_OFFS, store_rules
+    from lopd_cli.envs.orders_policy import BASE_POLICY_RULES_SEED, _examples, base_policy_tasks
+    from lopd_cli.models.backbone import load_backbone
+
+    _, tok = load_backbone("tiny", device="cpu")
+    tasks = base_policy_tasks(48)
+    own = store_rules(BASE_POLICY_RULES_SEED)
+
+    def sign_offs(plain_rules: str) -> list[tuple[str, str]]:
+        out = []
+        for task, (ids, mask) in zip(tasks, _examples(tok, tasks, random.Random(3), noise=0.0,
+                                                      plain_rules=plain_rules)):
+            marked = "".join(tok.decode([t]) for t, m in zip(ids, mask) if m == 2)
+            out.append((task.data["store"], next(s for s in SIGN_OFFS if marked.endswith(s))))
+        return out
+
+    assert all(s == own[store]["sign_off"] for store, s in sign_offs("own"))
+    spread = sign_offs("random")
+    assert sum(s != own[store]["sign_off"] for store, s in spread) >= len(spread) // 2
+    by_store: dict[str, set] = {}
+    for store, s in spread:
+        by_store.setdefault(store, set()).add(s)
+    assert all(len(v) >= 2 for v in by_store.values())

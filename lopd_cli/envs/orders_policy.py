@@ -47,9 +47,13 @@ from lopd_cli.agent.toolcalls import to_openai_tool_calls
 from lopd_cli.agent.types import Task, ToolCall
 from lopd_cli.envs.orders import OrdersEnv, oracle_plan
 
-POLICY_VERSION = 6  # bump when the recipe below changes, so cached policies are rebuilt
+POLICY_VERSION = 7  # bump when the recipe below changes, so cached policies are rebuilt
 DEFAULTS = dict(steps=1600, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0, rule_weight=10.0,
                 reference_fraction=0.5, max_references=2, n_tasks=1024)
+# Phase 2 (version 7), from phase 1's weights: plain examples under random rule sets, so that
+# without a reference the policy spreads its bets over the rules stores use instead of knowing
+# one rule set by heart (version 6 gave a recipe store's first rule token ~10 nats).
+SPREAD = dict(steps=300, lr=1e-3, n_tasks=2048, plain_rules="random")  # n_tasks: 2x phase 1's
 # The rule set the base policy learns: not the packaged recipes' (orders.RECIPE_RULES_SEED), so the
 # demo's house rules are new to it, as a new store's would be to a team's existing agent.
 BASE_POLICY_RULES_SEED = 101
@@ -108,12 +112,15 @@ def base_policy_tasks(n: int, rules_seed: int | None = BASE_POLICY_RULES_SEED) -
 
 
 def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float, reference_fraction: float = 0.0,
-              max_references: int = DEFAULTS["max_references"]) -> list[tuple[list[int], list[int]]]:
+              max_references: int = DEFAULTS["max_references"],
+              plain_rules: str = "own") -> list[tuple[list[int], list[int]]]:
     """(ids, action mask) per task. Plain examples imitate the noisy oracle under the tasks' own
     rules. Reading examples (`reference_fraction`) carry 1..max_references solved transcripts of
     other tasks of the same store and kind in the teacher's reference frame and imitate the clean
     oracle; with house rules they are all re-drawn under a *random* rule set, shared by the task
-    and its references, so the only way to get the rule right is to read it off a reference."""
+    and its references, so the only way to get the rule right is to read it off a reference.
+    `plain_rules="random"` re-draws the plain examples under a random rule set too, so that
+    without a reference the policy learns only the spread of rules stores use, not one rule set."""
     from types import SimpleNamespace
 
     from lopd_cli.envs.orders import make_task, random_store_rules
@@ -138,6 +145,8 @@ def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float, re
                     for t in others]
             messages = with_text_references(noisy_oracle_transcript(task, rng, 0.0), refs, rng, max_references)
         else:
+            if plain_rules == "random" and "rules" in task.data:
+                task = make_task(task.data["seed"], task.split, rules=random_store_rules(rng))
             messages = noisy_oracle_transcript(task, rng, noise)
         ids, mask = tokenize_transcript(tokenizer, messages, task.tools)
         if "rules" in task.data:
@@ -202,6 +211,8 @@ def train_orders_base_policy(
     reference_fraction: float = DEFAULTS["reference_fraction"],
     n_tasks: int = DEFAULTS["n_tasks"],
     rules_seed: int | None = BASE_POLICY_RULES_SEED,
+    plain_rules: str = "own",
+    init_from: Path | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Path:
     """Train the base policy by imitation of the noisy oracle on the orders train split and save
@@ -218,9 +229,9 @@ def train_orders_base_policy(
     setup_torch()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model, tokenizer = load_backbone(backbone, device="cpu")
+    model, tokenizer = load_backbone(str(init_from) if init_from else backbone, device="cpu")
     tasks = base_policy_tasks(n_tasks, rules_seed)
-    data = _examples(tokenizer, tasks, rng, noise, reference_fraction, DEFAULTS["max_references"])
+    data = _examples(tokenizer, tasks, rng, noise, reference_fraction, DEFAULTS["max_references"], plain_rules)
     plen = _common_prefix_len([ids for ids, _ in data]) - 1  # keep >= 1 token in every suffix
     prefix = torch.tensor([data[0][0][:plen]])
     model.train()
@@ -320,6 +331,35 @@ def shipped_base_policy() -> Path | None:
     return SHIPPED_DIR if manifest.get("version") == POLICY_VERSION else None
 
 
+def build_base_policy(out_dir: Path, seed: int = 0, steps: int = DEFAULTS["steps"],
+                      n_tasks: int = DEFAULTS["n_tasks"], spread_steps: int = SPREAD["steps"],
+                      progress: Callable[[int, int, float], None] | None = None) -> Path:
+    """The whole build: phase 1 (`steps` of imitation under the policy's own rules, reading
+    examples under random ones), then phase 2 (`spread_steps` from phase 1's weights with plain
+    examples under random rules too). `progress` counts both phases as one run of steps."""
+    import tempfile
+
+    total = steps + spread_steps
+
+    def phase(offset: int):
+        return (lambda s, _n, loss: progress(offset + s, total, loss)) if progress else None
+
+    with tempfile.TemporaryDirectory() as tmp:
+        first = train_orders_base_policy(Path(tmp) / "phase1", seed=seed, steps=steps, n_tasks=n_tasks,
+                                         progress=phase(0))
+        # Phase 2 starts from phase 1 as packaged (float16), i.e. from version 6's shipped weights.
+        first = package_base_policy(first, Path(tmp) / "phase1-packaged")
+        out = train_orders_base_policy(out_dir, seed=seed, steps=spread_steps, lr=SPREAD["lr"],
+                                       n_tasks=n_tasks * SPREAD["n_tasks"] // DEFAULTS["n_tasks"],
+                                       plain_rules=SPREAD["plain_rules"], init_from=first, progress=phase(steps))
+    meta = json.loads((out / "lopd_model.json").read_text())
+    phase2 = {k: meta[k] for k in ("steps", "lr", "n_tasks")}
+    meta.update(steps=steps, lr=DEFAULTS["lr"], n_tasks=n_tasks,
+                spread_phase={**phase2, "plain_rules": SPREAD["plain_rules"]})
+    (out / "lopd_model.json").write_text(json.dumps(meta))
+    return out
+
+
 def cached_orders_base_policy(seed: int = 0, progress: Callable[[int, int, float], None] | None = None) -> Path:
     """The tiny orders base policy for `seed`: the shipped one for its seed, otherwise trained
     once and kept in the model cache."""
@@ -329,7 +369,7 @@ def cached_orders_base_policy(seed: int = 0, progress: Callable[[int, int, float
     if shipped is not None and seed == SHIPPED_SEED:
         return shipped
     out = cache_dir() / "models" / f"orders-base-tiny-s{seed}-v{POLICY_VERSION}"
-    return build_once(out, lambda tmp: train_orders_base_policy(tmp, seed=seed, progress=progress))
+    return build_once(out, lambda tmp: build_base_policy(tmp, seed=seed, progress=progress))
 
 
 def install_orders_base_policy(dest: Path, seed: int = 0,
@@ -356,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=SHIPPED_DIR, help="where to write the packaged policy")
     ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     ap.add_argument("--tasks", type=int, default=DEFAULTS["n_tasks"], help="imitation tasks (the shipped build: default)")
+    ap.add_argument("--spread-steps", type=int, default=SPREAD["steps"], help="phase 2's steps (plain examples under random rules)")
     ap.add_argument("--check", action="store_true", help="rebuild in a temporary folder and compare with --out")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -367,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        trained = train_orders_base_policy(Path(tmp) / "trained", seed=SHIPPED_SEED, steps=args.steps,
-                                           n_tasks=args.tasks, progress=say)
+        trained = build_base_policy(Path(tmp) / "trained", seed=SHIPPED_SEED, steps=args.steps,
+                                    n_tasks=args.tasks, spread_steps=args.spread_steps, progress=say)
         meta = json.loads((trained / "lopd_model.json").read_text())
         meta["threads"] = __import__("torch").get_num_threads()
         (trained / "lopd_model.json").write_text(json.dumps(meta))
