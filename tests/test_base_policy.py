@@ -104,3 +104,18 @@ def test_spread_phase_examples_draw_plain_rules_at_random():
     for store, s in spread:
         by_store.setdefault(store, set()).add(s)
     assert all(len(v) >= 2 for v in by_store.values())
+
+
+def test_the_shipped_policy_knows_no_rule_set_by_heart():
+    """Version 7's point (benchmarks/rule_prior.py on validation tasks): without a reference,
+    the first token of a rule costs about a guess among four under the recipes' rule set, the
+    one phase 1 trained on and a never-used one alike. Version 6 gave 10 nats vs 0.01."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from rule_prior import rule_prior
+
+    firsts = [nll["first"] for nll in rule_prior(str(SHIPPED_DIR), n_tasks=16).values()]
+    assert all(0.4 < f < 2.5 for f in firsts), firsts
+    assert max(firsts) - min(firsts) < 1.0, firsts

@@ -2,7 +2,7 @@
 
 LOPD needs a base model that already succeeds sometimes, calls tools and can read a solved
 example — and that lacks the knowledge LOPD should teach. The embedded `tiny` backbone has
-random weights, so this module trains it (1,600 steps) on transcripts of the oracle
+random weights, so this module trains it (1,600 + 300 steps) on transcripts of the oracle
 (`orders.oracle_plan`) in the house-rules world, on tasks of its own seed range ("base": no
 train, validation or test task is among them) and under its own rule set
 (`BASE_POLICY_RULES_SEED`, not the recipes'). The result ships in the package
@@ -28,6 +28,12 @@ from its seed, `--check` compares.
   Version 5 (900 steps) weighted rules too but stopped before the copying drop (build loss
   ~0.4-0.5; 10 % success under its own rules). Version 6 trains 1,600 steps: the drop comes
   around step 700-900 and the policy copies ids (37 % under its own rules).
+- Version 7 adds a second phase (`SPREAD`, `build_base_policy`): 300 steps from version 6's
+  weights in which the plain examples, too, follow a rule set drawn per example. Version 6 knew
+  its own rule set by heart (a recipe store's first rule token cost it ~10 nats, its own 0.01),
+  so a teacher on its samples had almost no mass to move; after phase 2 every rule set's first
+  token costs about a guess among four (`benchmarks/rule_prior.py`). That is what an instruct
+  model knows of a store it has never seen: the kinds of rules stores have, not which.
 
 Training shares the prompt prefix all orders episodes have in common (system prompt + tool
 schemas): it is run once per step (batch 1, with gradients) and its KV cache is repeated for
