@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_step_overhead_quick(tmp_path):
     out = tmp_path / "step_overhead.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_overhead.py"), "--quick", "--out", str(out)],
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_overhead.py"), "--quick",
+                          "--precisions", "fp32", "--out", str(out)],  # bf16 runs 6-23x slower on CPU
                          capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -25,7 +26,8 @@ def test_step_overhead_quick(tmp_path):
     tiny = data["models"]["tiny"]
     assert tiny["shapes"]["action_tokens"] == 4 * 128 and tiny["shapes"]["student_tokens"] == 4 * 256
     assert tiny["shapes"]["teacher_tokens"] > tiny["shapes"]["student_tokens"]  # reference block + latents
-    for prec in ("fp32", "bf16"):
+    assert set(tiny["summary"]) == {"fp32"}
+    for prec in ("fp32",):
         s = tiny["summary"][prec]
         assert set(s["seconds"]) == {"sft", "student", "lopd", "lopd_share", "lopd_off", "enc_fwd", "enc_fwdbwd",
                                      "head_pass"}
