@@ -100,6 +100,11 @@ class ColdstartSection(Section):
     # Contrastive term: weight · mean max(0, NLL(own refs) − NLL(another task's refs) + margin).
     contrastive_weight: float = Field(1.0, ge=0.0)
     contrastive_margin: float = Field(0.1, ge=0.0)  # nats per token
+    # Reference privilege: weight each action token's NLL by 1 + privilege_weight · max(0, NLL with
+    # no block − NLL with the references as text), measured once per training example with the
+    # frozen teacher before the first step. The latents are pushed hardest where reading the
+    # references verbatim helps (what they hold that the prompt does not). 0: plain mean NLL.
+    privilege_weight: float = Field(0.0, ge=0.0)
     clip_lora: float = Field(3.0, gt=0)
     clip_qformer: float = Field(30.0, gt=0)
     eval_every: int = Field(50, ge=1)

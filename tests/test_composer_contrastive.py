@@ -88,3 +88,46 @@ def test_encoder_and_resampler_have_their_own_rates_and_a_linear_warmup(setup): 
     assert seen[0] == pytest.approx((1e-3 / 4, 2e-4 / 4))
     assert seen[3] == pytest.approx((1e-3, 2e-4)) and seen[5] == pytest.approx((1e-3, 2e-4))
     assert seen[1][0] < seen[2][0] < seen[3][0]
+
+
+def test_reference_privilege_is_the_text_teachers_gain_clipped_at_zero():
+    from lopd_cli.train.losses import privilege_weighted_nll, reference_privilege
+
+    lp_none = torch.log(torch.tensor([0.25, 0.9, 0.5]))
+    lp_text = torch.log(torch.tensor([0.9, 0.5, 0.5]))
+    priv = reference_privilege(lp_none, lp_text)
+    assert priv.tolist() == pytest.approx([float(torch.log(torch.tensor(0.9 / 0.25))), 0.0, 0.0])
+    lp = torch.log(torch.tensor([0.5, 0.5, 0.5]))
+    assert float(privilege_weighted_nll(lp, priv, 0.0)) == pytest.approx(float(-lp.mean()))
+    want = float(((1 + 2.0 * priv) * -lp).mean())
+    assert float(privilege_weighted_nll(lp, priv, 2.0)) == pytest.approx(want)
+
+
+def test_privilege_weighting_moves_the_step_towards_privileged_tokens(setup):  # noqa: F811
+    """add_reference_privilege fills one weight per action token (>= 0, from the frozen teacher);
+    with privilege_weight > 0 the cold-start step's gradient changes, and a token with zero
+    privilege everywhere gives exactly the plain step."""
+    from lopd_cli.train.coldstart import add_reference_privilege, coldstart_step
+
+    model, tok, recipe, composer = setup
+    refs = items(6)
+    examples = [Example(episode(tok, 10 + i, 1 + i % 2), refs[2 * i : 2 * i + 2]) for i in range(3)]
+    share = add_reference_privilege(model, tok, examples, 2, 600, 800)
+    assert 0.0 <= share <= 1.0
+    for ex in examples:
+        assert ex.privilege.shape == (sum(ex.episode.action_mask),) and float(ex.privilege.min()) >= 0
+
+    def grads(weight: float, zero: bool = False) -> torch.Tensor:
+        exs = [Example(ex.episode, ex.refs, torch.zeros_like(ex.privilege) if zero else ex.privilege)
+               for ex in examples]
+        opt = torch.optim.SGD([{"params": adapter_parameters(model, ENCODER)},
+                               {"params": list(composer.resampler.parameters())}], lr=0.0)
+        coldstart_step(model, tok, composer, exs, opt, 1e9, 1e9, privilege_weight=weight)
+        g = torch.cat([p.grad.flatten() for p in composer.resampler.parameters() if p.grad is not None])
+        return g
+
+    for ex in examples:  # make sure some token is privileged, whatever the random teacher does
+        ex.privilege[0] = 3.0
+    plain, weighted, zeroed = grads(0.0), grads(4.0), grads(4.0, zero=True)
+    assert not torch.allclose(plain, weighted)
+    assert torch.allclose(plain, zeroed, atol=1e-7)

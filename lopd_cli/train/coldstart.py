@@ -102,6 +102,7 @@ def retrieve_references(retriever, items: Sequence, n_ret: int) -> list[list]:
 class Example:
     episode: Episode
     refs: list
+    privilege: torch.Tensor | None = None  # per action token (coldstart.privilege_weight), else None
 
 
 def make_examples(tokenizer, retriever, items: Sequence, n_ret: int, max_tokens: int | None) -> list[Example]:
@@ -226,6 +227,28 @@ def latent_task_spread(composer: Composer, examples: Sequence[Example], batch_si
 # ------------------------------------------------------------------------------ training
 
 
+def add_reference_privilege(model, tokenizer, examples: Sequence[Example], batch_size: int, obs_char_budget: int,
+                            text_max_chars: int) -> float:
+    """Fill each example's per-token reference privilege (`losses.reference_privilege`: how much
+    the frozen teacher gains from reading its references as text) and return the share of the
+    action tokens where it is above 0.1 nats. The references and the teacher are fixed during
+    cold start, so this is measured once."""
+    from lopd_cli.train.losses import reference_privilege
+
+    was = model.training
+    model.eval()
+    none = teacher_example_logprobs(model, tokenizer, None, examples, "none", batch_size)
+    text = teacher_example_logprobs(model, tokenizer, None, examples, "text", batch_size,
+                                    obs_char_budget=obs_char_budget, text_max_chars=text_max_chars)
+    model.train(was)
+    hot = total = 0
+    for ex, a, b in zip(examples, none, text):
+        ex.privilege = reference_privilege(a, b)
+        hot += int((ex.privilege > 0.1).sum())
+        total += ex.privilege.numel()
+    return hot / max(total, 1)
+
+
 def composer_health(model, tokenizer, composer: Composer, examples: Sequence[Example], batch_size: int = 8) -> dict:
     """Is the composer still about the task? On held-out examples: the latents' task spread, the
     teacher NLL with each example's own references and with another example's ("shuffled"), and
@@ -302,9 +325,13 @@ def contrastive_term(model, tokenizer, episodes: Sequence[Episode], latents: tor
 
 def coldstart_step(model, tokenizer, composer: Composer, examples: Sequence[Example], optimizer,
                    clip_lora: float, clip_qformer: float, contrastive_weight: float = 0.0,
-                   contrastive_margin: float = 0.1, scheduler=None) -> dict:
+                   contrastive_margin: float = 0.1, scheduler=None, privilege_weight: float = 0.0) -> dict:
     """One step: loss = mean NLL of the examples' action tokens under the teacher with c_φ of
-    their references + contrastive_weight · `contrastive_term`. ψ and χ are clipped separately."""
+    their references (weighted by 1 + privilege_weight · each token's reference privilege when
+    the examples carry it, `add_reference_privilege`) + contrastive_weight · `contrastive_term`.
+    ψ and χ are clipped separately."""
+    from lopd_cli.train.losses import privilege_weighted_nll
+
     lora, chi = composer_param_groups(model, composer)
     eps = [ex.episode for ex in examples]
     latents = composer([ex.refs for ex in examples], [e.task.instruction for e in eps])
@@ -313,6 +340,10 @@ def coldstart_step(model, tokenizer, composer: Composer, examples: Sequence[Exam
     nll = -lp.mean()
     loss = nll
     row: dict = {}
+    if privilege_weight > 0 and all(ex.privilege is not None for ex in examples):
+        priv = torch.cat([ex.privilege for ex in examples]).to(lp.device)
+        loss = privilege_weighted_nll(lp, priv, privilege_weight)
+        row["privileged_nll"] = float((priv * -lp.detach()).sum() / priv.sum().clamp_min(1e-12))
     if contrastive_weight > 0:
         hinge = contrastive_term(model, tokenizer, eps, latents, batch, lp, [e.task.id for e in eps],
                                  contrastive_margin)
@@ -353,7 +384,7 @@ def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example
         idx = sampler.take(min(cfg.batch_size, len(train)))
         row = {"step": step, **coldstart_step(model, tokenizer, composer, [train[i] for i in idx], optimizer,
                                               cfg.clip_lora, cfg.clip_qformer, cfg.contrastive_weight,
-                                              cfg.contrastive_margin, scheduler)}
+                                              cfg.contrastive_margin, scheduler, cfg.privilege_weight)}
         if val and (step % cfg.eval_every == 0 or step == cfg.steps):
             health = composer_health(model, tokenizer, composer, val, cfg.batch_size)
             val_nll = health["nll_own"] if health else teacher_nll(model, tokenizer, composer, val, "learned",
@@ -405,6 +436,12 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         max_tokens = recipe.rollout.max_prompt_tokens
         train = make_examples(tokenizer, retriever, train_items, n_ret, max_tokens)
         val = make_examples(tokenizer, retriever, val_items, n_ret, max_tokens)
+        privileged_share = None
+        if cs.privilege_weight > 0 and train:
+            from lopd_cli.train.loop import text_reference_chars
+
+            privileged_share = add_reference_privilege(model, tokenizer, train, cs.batch_size,
+                                                       recipe.bank.obs_char_budget, text_reference_chars(recipe))
 
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
@@ -446,6 +483,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
             "train_examples": len(train), "val_examples": len(val),
             "val_nll_before": before, "val_nll_after": result["val_nll"],
             "anchor_cache_entries": len(cache),
+            "privileged_token_share": privileged_share,
             "check": check.to_dict() if check else None,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -487,6 +487,20 @@ def contrastive_hinge(nll_own: Tensor, nll_other: Tensor, margin: float) -> Tens
     return torch.relu(nll_own.float() - nll_other.float() + float(margin)).mean()
 
 
+def reference_privilege(lp_none: Tensor, lp_text: Tensor) -> Tensor:
+    """Per token, how much reading the references as text helps the frozen teacher:
+    max(0, NLL without a block − NLL with the references as text), in nats. Large where the
+    references hold something the prompt does not (a store's sign-off), ~0 where they tell nothing
+    new or mislead (another task's ids)."""
+    return (lp_text.float() - lp_none.float()).clamp_min(0.0)
+
+
+def privilege_weighted_nll(lp: Tensor, privilege: Tensor, weight: float) -> Tensor:
+    """Token mean of (1 + weight · privilege) · NLL: the plain NLL plus `weight` times the NLL on
+    the tokens where the references are privileged, each scaled by that privilege."""
+    return ((1.0 + float(weight) * privilege.to(lp.dtype)) * -lp).mean()
+
+
 def anchor_loss(latents: Tensor, latents0: Tensor) -> Tensor:
     """The anchor as the spec writes it: ‖c − sg[c0]‖², summed over a task's elements, then the
     mean over the batch's tasks.
