@@ -172,3 +172,28 @@ def test_bad_sources_fail_with_one_line(project, lopd):
     (fake / "checkpoint.json").write_text(json.dumps(meta))
     shutil.rmtree(fake / "student")
     assert "holds no student (no student/ folder)" in err(str(fake), "bad4")
+
+
+def test_a_distillation_run_warm_started_from_lora_warns_that_its_teacher_is_the_backbone(project):
+    """After SFT the plain-backbone teacher can be behind the student (RESULTS: SFT 14.1 % →
+    SFT→LOPD 5.5 %): LOPD and OPSD warm-started from a LoRA student say so in one line; GRPO, SFT
+    and a full student (whose base is the merged source) do not."""
+    import warnings
+
+    from lopd_cli.errors import LopdWarning
+    from lopd_cli.train.loop import warm_start_teacher_warning
+
+    def msg(*sets: str, source: str = "lora"):
+        return warm_start_teacher_warning(project.load_recipe("toolcall", ["train.init_from=runs/src-sft", *sets]),
+                                          source)
+
+    for algo in ("lopd", "opsd"):
+        m = msg(f"train.algo={algo}")
+        assert m and "\n" not in m and "init_from: runs/src-sft" in m and "plain backbone" in m
+    assert msg("train.algo=grpo") is None and msg("train.algo=sft") is None
+    assert msg("model.student=full") is None and msg(source="full") is None
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _train(project, "warned", ["train.init_from=runs/src-sft", "train.steps=1", "train.save_every=1"])
+    assert sum(issubclass(w.category, LopdWarning) and "plain backbone" in str(w.message) for w in seen) == 1

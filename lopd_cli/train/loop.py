@@ -268,6 +268,18 @@ def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
     return prompt
 
 
+def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
+    """The one-line warning for a distillation run warm-started from a LoRA student: its
+    teacher is the plain backbone (adapters off), not the warm-start model, so after SFT the
+    teacher can be behind the student and distillation pulls the student back (measured in
+    benchmarks/RESULTS.md, "SFT on the bank beats LOPD"). None where that does not apply."""
+    if recipe.train.algo not in ("lopd", "opsd") or source_student != "lora" or recipe.model.student != "lora":
+        return None
+    return (f"train.init_from: {recipe.train.init_from}: the {recipe.train.algo.upper()} teacher is the plain "
+            "backbone (adapters off), not this warm-start student; where the warm start already beats the "
+            "backbone (e.g. after SFT), distillation pulls the student back towards it")
+
+
 def text_reference_chars(recipe) -> int:
     """Characters of each text reference: the same order of context as the composer reads."""
     return recipe.composer.max_item_tokens * 4
@@ -633,6 +645,13 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
     if step_dir is not None:
         restore(tr, step_dir)
     elif init is not None:
+        msg = warm_start_teacher_warning(recipe, init.student)
+        if msg:
+            import warnings
+
+            from lopd_cli.errors import LopdWarning
+
+            warnings.warn(msg, LopdWarning, stacklevel=2)
         rng = ckpt.rng_state()  # loading the source must not shift what the run samples
         tr.extra["init_from"] = warm_start(tr.model, init, recipe.train.init_from, [recipe.base_dir, project.root])
         ckpt.set_rng_state(rng)
