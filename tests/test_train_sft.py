@@ -191,3 +191,28 @@ def test_two_gloo_processes_match_one_process(project):
                 assert nb[k] == pytest.approx(na[k], abs=1e-4), (a["step"], k)
     latest = project.runs_dir / "sft-two" / "checkpoints" / "latest"
     assert json.loads((latest / "checkpoint.json").read_text())["world_size"] == 2
+
+
+def test_the_pool_leaves_out_the_environments_validation_tasks(tmp_path):
+    """Bank successes of validation tasks (the demo imports logs of them for the check) are held
+    out of SFT as of the cold start: a validation figure must not score tasks the student
+    trained on. The run's pool is the training tasks' successes only."""
+    from lopd_cli.agent.runner import make_env_factory
+    from lopd_cli.bank.store import Bank
+    from lopd_cli.train.coldstart import validation_task_ids
+    from lopd_cli.train.sft import eligible_ids
+
+    proj = build_sft_project(tmp_path / "p")
+    recipe = proj.load_recipe("toolcall", ["train.algo=sft"])
+    env = make_env_factory(recipe)()
+    val_tasks = env.tasks("validation")[:2]
+    with Bank(proj.bank_path(recipe), recipe.bank.min_reward) as bank:
+        bank.add_records(list(oracle_records(val_tasks)), source="oracle")
+    items = _bank_items(proj)
+    val_rows = {i for i, it in items.items() if it.task_id in {t.id for t in val_tasks}}
+    assert len(val_rows) == 2
+    everything = eligible_ids(proj, recipe)
+    held = eligible_ids(proj, recipe, validation_task_ids(env))
+    assert val_rows <= set(everything) and not val_rows & set(held) and len(held) == len(everything) - 2
+    _, rows = _train(proj, "pool", ["train.steps=1", "train.save_every=1"])
+    assert rows[-1]["sft_pool"] == len(held) == 24

@@ -73,14 +73,21 @@ def split_by_task(items: Sequence, val_fraction: float, seed: int) -> tuple[list
     return [it for it in items if task_key(it) not in val_keys], [it for it in items if task_key(it) in val_keys]
 
 
+def validation_task_ids(env) -> set[str]:
+    """The ids of the environment's validation tasks (empty for an env without that split): bank
+    rows of these tasks are held out of every training set (cold start, SFT) so the check and
+    validation figures score tasks no model trained on."""
+    try:
+        return {t.id for t in env.tasks("validation")}
+    except Exception:  # an env without a validation split
+        return set()
+
+
 def holdout_split(items: Sequence, env, val_fraction: float, seed: int) -> tuple[list, list]:
     """(train, held-out) bank items. Held out: the successes of the environment's validation
     tasks when the bank holds at least two of them (tasks no model trains on), otherwise a
     `val_fraction` share of whole tasks (`split_by_task`)."""
-    try:
-        val_ids = {t.id for t in env.tasks("validation")}
-    except Exception:  # an env without a validation split
-        val_ids = set()
+    val_ids = validation_task_ids(env)
     held = [it for it in items if it.task_id in val_ids]
     if len({task_key(it) for it in held}) >= 2:
         return [it for it in items if it.task_id not in val_ids], held

@@ -2,7 +2,9 @@
 successful rollouts, in the same loop, checkpoints and metrics as LOPD, GRPO and OPSD.
 
 The pool is every bank row whose reward reaches `eval.success_threshold` (the same "success"
-as training metrics and `lopd eval`), fixed when the run starts: its row ids go into each
+as training metrics and `lopd eval`), except rows of the environment's validation tasks (held
+out, as in the cold start, so validation figures and the check score tasks the student did not
+train on), fixed when the run starts: its row ids go into each
 checkpoint, so a resume trains on the same items even when the bank has grown meanwhile, and
 under torchrun rank 0 picks them for every rank. Each item is tokenised once with the
 transcript tokenisation the cold start uses (`agent/chat.py` `tokenize_transcript`): the loss is
@@ -47,8 +49,9 @@ IDS = "sft_ids"  # tr.extra: the pool's bank row ids (checkpointed)
 POOL = "sft_pool"  # tr.extra: the tokenised pool, in IDS order (rebuilt from IDS, not saved)
 
 
-def eligible_ids(project, recipe) -> list[int]:
-    """Bank rows that count as successes: reward ≥ eval.success_threshold, no recorded error."""
+def eligible_ids(project, recipe, held_out: set[str] = frozenset()) -> list[int]:
+    """Bank rows that count as successes: reward ≥ eval.success_threshold, no recorded error,
+    and not of a held-out task (`held_out`: task ids, the environment's validation tasks)."""
     from lopd_cli.bank.store import Bank
 
     path = project.bank_path(recipe)
@@ -56,9 +59,11 @@ def eligible_ids(project, recipe) -> list[int]:
         raise LopdError(f"--algo sft: no bank at {path} (fill it first: lopd rollout --to-bank, lopd bank add-rollouts)")
     thr = recipe.eval.success_threshold
     with Bank(path, recipe.bank.min_reward, create=False) as bank:
-        ids = [it.id for it in bank.iter_items(success_only=False) if it.reward >= thr and not it.meta.get("error")]
+        ids = [it.id for it in bank.iter_items(success_only=False)
+               if it.reward >= thr and not it.meta.get("error") and str(it.task_id) not in held_out]
     if not ids:
-        raise LopdError(f"--algo sft: the bank {path} holds no rollout with reward >= eval.success_threshold ({thr:g})")
+        raise LopdError(f"--algo sft: the bank {path} holds no rollout with reward >= eval.success_threshold ({thr:g}) "
+                        "outside the environment's validation tasks")
     return ids
 
 
@@ -95,7 +100,9 @@ def _max_len(model) -> int | None:
 
 def setup(tr: "Trainer") -> None:
     """The pool (rank 0's view of the bank, for every rank) and its sampler."""
-    ids = dist.on_main(lambda: eligible_ids(tr.project, tr.recipe))
+    from lopd_cli.train.coldstart import validation_task_ids
+
+    ids = dist.on_main(lambda: eligible_ids(tr.project, tr.recipe, validation_task_ids(tr.env_factory())))
     tr.extra[IDS] = ids
     tr.extra[POOL] = tokenize_pool(tr.project, tr.recipe, tr.tokenizer, ids, _max_len(tr.model))
     tr.state.sampler = TaskSampler(len(ids), tr.recipe.train.seed)
