@@ -175,8 +175,8 @@ def test_bad_sources_fail_with_one_line(project, lopd):
 
 
 def test_a_distillation_run_warm_started_from_lora_warns_that_its_teacher_is_the_backbone(project):
-    """After SFT the plain-backbone teacher can be behind the student (RESULTS: SFT 14.1 % →
-    SFT→LOPD 5.5 %): LOPD and OPSD warm-started from a LoRA student say so in one line; GRPO, SFT
+    """After SFT the plain-backbone teacher can be behind the student (RESULTS: SFT 12.5 % →
+    SFT→LOPD 7.8 %): LOPD and OPSD warm-started from a LoRA student say so in one line; GRPO, SFT
     and a full student (whose base is the merged source) do not."""
     import warnings
 
