@@ -175,6 +175,12 @@ class TrainSection(Section):
     # Warm start: the student of another run (runs/RUN, or a checkpoint folder) as the initial
     # student of this one; optimiser states start fresh.
     init_from: str | None = None
+    # The teacher (adapters off) of a warm-started run. "base": the recipe's backbone, as in the
+    # paper, and init_from's student is loaded as this run's student. "init": init_from's student
+    # merged into the backbone becomes this run's backbone (written once to runs/RUN/backbone/NAME/),
+    # so the teacher is the warm-start model and a fresh student adapter starts equal to it
+    # (student.py `merged_init_backbone`). LoRA students only.
+    teacher: Literal["base", "init"] = "base"
     seed: int = 0
 
 

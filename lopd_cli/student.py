@@ -5,7 +5,10 @@ A checkpoint folder `runs/RUN/checkpoints/step_N/` holds `checkpoint.json`
 `student/`: a peft adapter (LoRA student) or a full transformers directory (full fine-tuning).
 Everything else in it (composer, optimiser state) is for resuming training and is not read here:
 at deployment only the student runs. A warm-started run (`train.init_from`, `warm_start` below)
-saves its whole student the same way, so nothing here follows a chain of runs.
+saves its whole student the same way, so nothing here follows a chain of runs. A run with
+`train.teacher: init` trains its student adapter on its own backbone, `runs/RUN/backbone/NAME/` (the
+warm-start student merged, `merged_init_backbone`); its checkpoints record that folder as their
+backbone (`"teacher": "init"`), and it must stay where it is.
 
 `--checkpoint` accepts a run folder (its latest checkpoint), a step folder, a `latest` link or
 text file (`step_N`), a run's `checkpoints/` folder, or the word `latest` (the newest run of the
@@ -32,6 +35,7 @@ class CheckpointInfo:
     backbone: str  # the recipe's model.backbone spec
     backbone_path: str  # resolved absolute path when the checkpoint was written
     student: str  # "lora" | "full"
+    teacher: str = "base"  # "init": backbone_path is the run's merged warm-start backbone
 
     @property
     def student_dir(self) -> Path:
@@ -84,6 +88,7 @@ def read_checkpoint(step_dir: Path) -> CheckpointInfo:
         backbone=str(data["backbone"]),
         backbone_path=str(data.get("backbone_path") or ""),
         student=data["student"],
+        teacher=str(data.get("teacher") or "base"),
     )
 
 
@@ -98,9 +103,18 @@ def adapter_dir(info: CheckpointInfo) -> Path:
 
 def backbone_source(info: CheckpointInfo, search_dirs: Iterable[Path] = ()) -> str:
     """The backbone the checkpoint was trained on: its recorded absolute path when it still
-    exists, else the recipe spec (an embedded name is rebuilt in the cache)."""
+    exists, else the recipe spec (an embedded name is rebuilt in the cache). A `teacher: init`
+    run's backbone is its own merged folder, found next to the checkpoint (so a moved project
+    still works); there is nothing to fall back to."""
+    if info.teacher == "init" and info.run_dir is not None:
+        here = existing_init_backbone(info.run_dir)
+        if here is not None:
+            return str(here)
     if info.backbone_path and Path(info.backbone_path).is_dir():
         return info.backbone_path
+    if info.teacher == "init":
+        raise LopdError(f"{info.path}: the student was trained on its run's merged warm-start backbone "
+                        f"{info.backbone_path or '(not recorded)'}, which is gone (train.teacher: init)")
     return info.backbone
 
 
@@ -191,6 +205,11 @@ def warm_start(model, info: CheckpointInfo, spec: str, search_dirs: Iterable[Pat
             load_student_weights(model, info.student_dir)
     except LopdError as e:
         raise LopdError(f"train.init_from: {spec}: {e}") from None
+    return source_record(info)
+
+
+def source_record(info: CheckpointInfo) -> dict:
+    """What a warm-started run's checkpoints record about `train.init_from`'s checkpoint."""
     return {"checkpoint": str(info.path), "run": str(info.run_dir) if info.run_dir else None,
             "step": info.step, "algo": info.algo, "student": info.student}
 
@@ -203,6 +222,8 @@ def init_source(project, recipe) -> CheckpointInfo | None:
 
     spec = recipe.train.init_from
     if not spec:
+        if recipe.train.teacher == "init":
+            raise LopdError("train.teacher: init needs train.init_from (the run whose student becomes the teacher)")
         return None
     info = resolve_init_from(spec, project.root)
     mine = resolve_backbone(recipe.model.backbone, [recipe.base_dir, project.root])
@@ -210,6 +231,14 @@ def init_source(project, recipe) -> CheckpointInfo | None:
     if info.student == "full" and recipe.model.student == "lora":
         raise LopdError(f"train.init_from: {spec} holds a fully fine-tuned student and this recipe trains a LoRA "
                         "student on the plain backbone (set model.student=full to continue it)")
+    if recipe.train.teacher == "init":
+        if recipe.model.student != "lora":
+            raise LopdError("train.teacher: init needs a LoRA student (model.student: lora); a fully fine-tuned "
+                            "student already starts from the warm start's weights")
+        return info  # a fresh student adapter on the merged backbone: any source shape will do
+    if info.student == "lora" and info.teacher == "init" and recipe.model.student == "lora":
+        raise LopdError(f"train.init_from: {spec} trained its adapter on a merged warm-start backbone "
+                        "(train.teacher: init); continue it with train.teacher=init, or with model.student=full")
     if info.student == "lora" and recipe.model.student == "lora":
         try:
             cfg = json.loads((adapter_dir(info) / "adapter_config.json").read_text())
@@ -221,3 +250,39 @@ def init_source(project, recipe) -> CheckpointInfo | None:
                 raise LopdError(f"train.init_from: {spec} has a LoRA student with {key}={theirs}, this recipe's "
                                 f"model.lora.{key} is {ours} (the adapter continues as it is: use the same shape)")
     return info
+
+
+RUN_BACKBONE = "backbone"  # runs/RUN/backbone/NAME/: a `train.teacher: init` run's merged backbone
+
+
+def existing_init_backbone(run_dir: Path) -> Path | None:
+    """The merged backbone folder a `train.teacher: init` run made on its first start, if any."""
+    from lopd_cli.export import EXPORT_INFO_FILE
+
+    found = sorted((Path(run_dir) / RUN_BACKBONE).glob(f"*/{EXPORT_INFO_FILE}"))
+    return found[0].parent if found else None
+
+
+def merged_init_backbone(info: CheckpointInfo, run_dir: Path, dtype: str = "float32",
+                         search_dirs: Iterable[Path] = ()) -> Path:
+    """`train.teacher: init`: `info`'s student merged into its backbone, written to
+    `run_dir/backbone/NAME/` (NAME: the backbone folder's own name) as a plain transformers folder
+    (with `lopd export --merge-lora`'s logit check) and loaded as the run's backbone. The teacher
+    (adapters off) is then the warm-start model, and the fresh student adapter (LoRA B = 0)
+    starts equal to it. The name is kept because a composer is matched to its backbone by
+    architecture and folder name: the cold-start composer of the plain backbone applies. Written
+    once: a resumed run reuses the folder, whatever the source run has done since."""
+    from lopd_cli.export import export_merged
+    from lopd_cli.models.backbone import resolve_backbone
+
+    found = existing_init_backbone(run_dir)
+    if found is not None:
+        return found
+    name = Path(str(resolve_backbone(backbone_source(info), search_dirs))).name
+    out = Path(run_dir) / RUN_BACKBONE / name
+    save_dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+    # A half-precision folder is checked against the float32 merge with a tolerance to match.
+    atol, rtol = (1e-4, 1e-5) if save_dtype == "float32" else (5e-2, 1e-2)
+    export_merged(info, out, dtype=save_dtype, device="cpu", atol=atol, rtol=rtol,
+                  search_dirs=search_dirs, force=True)
+    return out

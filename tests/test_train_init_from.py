@@ -5,6 +5,7 @@ sources fail with one line."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +198,98 @@ def test_a_distillation_run_warm_started_from_lora_warns_that_its_teacher_is_the
         warnings.simplefilter("always")
         _train(project, "warned", ["train.init_from=runs/src-sft", "train.steps=1", "train.save_every=1"])
     assert sum(issubclass(w.category, LopdWarning) and "plain backbone" in str(w.message) for w in seen) == 1
+
+
+def _teacher_logits(model, inputs):
+    from lopd_cli.export import prompt_logits
+    from lopd_cli.models import adapters as ad
+
+    with ad.teacher_view(model):
+        return prompt_logits(model, inputs)
+
+
+def test_teacher_init_makes_the_warm_start_model_the_teacher(project, tmp_path):
+    """train.teacher=init: the source student, merged, is the run's backbone (runs/RUN/backbone/),
+    so the teacher (adapters off) is the warm-start model and stays it while the fresh student
+    adapter moves; checkpoints, eval and export follow that backbone; a resume reuses the folder
+    without reading the source again."""
+    import warnings
+
+    from lopd_cli.errors import LopdWarning
+    from lopd_cli.export import export_merged
+    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+
+    src, tok = _checkpoint_student(project.runs_dir / "src-sft")
+    inputs = _inputs(tok)
+    source = _student_logits(src, inputs)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tr0 = _train(project, "tinit0", ["train.init_from=runs/src-sft", "train.teacher=init", "train.steps=0"])
+    assert not [w for w in seen if issubclass(w.category, LopdWarning)], "no plain-backbone warning"
+    from lopd_cli.models.backbone import resolve_backbone
+
+    merged = project.runs_dir / "tinit0" / "backbone" / Path(str(resolve_backbone("tiny"))).name
+    assert (merged / "lopd_export.json").is_file(), "the backbone folder keeps its name (composers match by it)"
+    assert _same(_teacher_logits(tr0.model, inputs), source, atol=1e-5)
+    assert _same(_student_logits(tr0.model, inputs), source, atol=1e-5), "a fresh adapter starts at the teacher"
+    del tr0
+
+    shutil.copytree(project.runs_dir / "src-sft", project.runs_dir / "src-copy")
+    sets = ["train.init_from=runs/src-copy", "train.teacher=init", "train.steps=2", "train.save_every=1"]
+    tr = _train(project, "tinit", sets)
+    assert _same(_teacher_logits(tr.model, inputs), source, atol=1e-5), "the teacher stays the warm-start model"
+    final = _student_logits(tr.model, inputs)
+    assert not _same(final, source, atol=1e-6), "two LOPD steps must move the student"
+
+    latest = resolve_checkpoint(project.runs_dir / "tinit")
+    meta = json.loads((latest / "checkpoint.json").read_text())
+    assert meta["teacher"] == "init" and meta["init_from"]["algo"] == "sft"
+    assert Path(meta["backbone_path"]).parent == (project.runs_dir / "tinit" / "backbone").resolve()
+    evaluated, _ = load_student(read_checkpoint(latest), device="cpu")
+    assert _same(_student_logits(evaluated, inputs), final, atol=1e-5)
+    out = tmp_path / "exported"
+    export_merged(read_checkpoint(latest), out)
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert _same(_student_logits(plain, inputs), final, atol=1e-4)
+
+    # resume: cut after step 1, remove the source, continue; the same metrics as the straight run
+    _train(project, "tinit-cut", [*sets[:2], "train.steps=1", "train.save_every=1"])
+    shutil.rmtree(project.runs_dir / "src-copy")
+    _train(project, "tinit-cut", sets, resume=True)
+    straight, resumed = read_metrics(project.runs_dir / "tinit"), read_metrics(project.runs_dir / "tinit-cut")
+    assert [r["step"] for r in resumed] == [1, 2]
+    for a, b in zip(straight, resumed):
+        na, nb = numeric(a), numeric(b)
+        for k in na:
+            assert (nb[k] is None) if na[k] is None else nb[k] == pytest.approx(na[k], abs=1e-5, rel=1e-5), k
+
+    # its checkpoints find that folder next to them (a moved run works); gone, they say so
+    # instead of falling back to the plain backbone
+    resumed_final = _student_logits(_train(project, "tinit-cut", sets, resume=True).model, inputs)
+    shutil.move(project.runs_dir / "tinit-cut", tmp_path / "moved")
+    moved = read_checkpoint(resolve_checkpoint(tmp_path / "moved"))
+    assert _same(_student_logits(load_student(moved, device="cpu")[0], inputs), resumed_final, atol=1e-5)
+    shutil.rmtree(tmp_path / "moved" / "backbone")
+    with pytest.raises(LopdError, match="merged warm-start backbone .* which is gone"):
+        load_student(moved, device="cpu")
+
+
+def test_teacher_init_refusals_are_one_line(project, lopd):
+    def err(name: str, *sets: str) -> str:
+        r = lopd("train", "-C", project.root, "--recipe", "toolcall", "--run", name, "--set", "train.steps=1",
+                 *[a for s in sets for a in ("--set", s)])
+        assert r.code == 1, r
+        lines = r.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), r.err
+        assert not (project.runs_dir / name).exists(), "nothing is written for a refused run"
+        return lines[0]
+
+    assert "train.teacher: init needs train.init_from" in err("ti1", "train.teacher=init")
+    assert "train.teacher: init needs a LoRA student" in err(
+        "ti2", "train.teacher=init", "train.init_from=runs/src-sft", "model.student=full")
+    _train(project, "tinit1", ["train.init_from=runs/src-sft", "train.teacher=init", "train.algo=sft",
+                               "train.steps=1", "train.save_every=1"])
+    assert "continue it with train.teacher=init" in err("ti3", "train.init_from=runs/tinit1")

@@ -12,7 +12,8 @@ Every rollout counts toward `rollouts_total`, including those spent before train
 filling, cold start: `train.prior_rollouts`), so methods compare at equal budget. Checkpoints
 hold everything needed for an exact resume: adapters, composer, optimiser states, β, RNG
 states, the task sampler's position and the counters. `train.init_from` starts the student from
-another run's (student.py `warm_start`); the optimisers start fresh.
+another run's (student.py `warm_start`); the optimisers start fresh. With `train.teacher: init`
+that student, merged, becomes the run's backbone and so its teacher (`init_teacher_backbone`).
 
 Under torchrun / accelerate launch each rank rolls out its share of the step's tasks and the
 gradients are summed over ranks (train/distributed.py); in one process every helper there is
@@ -145,7 +146,8 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
     t = recipe.train
     seed_everything(t.seed)
     search = [recipe.base_dir, project.root]
-    model, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device, search)
+    backbone = str(init_teacher_backbone(project, recipe, run_dir)) if t.teacher == "init" else recipe.model.backbone
+    model, tok = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search)
     if recipe.model.autocast_bf16:
         warn_if_slow_bf16("model.autocast_bf16=true", str(next(model.parameters()).device))
     model = ad.attach_adapters(model, recipe)
@@ -160,7 +162,7 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
         project=project, recipe=recipe, run_dir=run_dir, model=model, tokenizer=tok,
         env_factory=env_factory, reward_fn=load_reward(recipe), train_tasks=tasks,
         student_opt=student_opt, state=TrainState(beta=t.beta0, sampler=TaskSampler(len(tasks), t.seed)),
-        backbone_path=str(resolve_backbone(recipe.model.backbone, search)),
+        backbone_path=str(Path(resolve_backbone(backbone, search)).resolve()),
     )
     if t.algo in ("lopd", "opsd"):
         from lopd_cli.bank.retrieve import Retriever
@@ -178,6 +180,19 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
         prior = lopd_generated_rollouts(project, recipe) if t.algo in ("lopd", "opsd", "sft") else 0
     tr.state.rollouts_total = prior
     return tr
+
+
+def init_teacher_backbone(project: Project, recipe: Recipe, run_dir: Path) -> Path:
+    """`train.teacher: init`: the run's own backbone folder, `init_from`'s student merged (made
+    by rank 0 on the run's first start; a resume reuses it without looking at the source)."""
+    from lopd_cli.student import existing_init_backbone, init_source, merged_init_backbone
+
+    found = existing_init_backbone(run_dir)
+    if found is not None:
+        return found
+    info = init_source(project, recipe)
+    search = [recipe.base_dir, project.root]
+    return dist.on_main(lambda: merged_init_backbone(info, Path(run_dir), recipe.model.dtype, search))
 
 
 def _embedder_fp(retriever) -> str | None:
@@ -273,11 +288,13 @@ def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
     teacher is the plain backbone (adapters off), not the warm-start model, so after SFT the
     teacher can be behind the student and distillation pulls the student back (measured in
     benchmarks/RESULTS.md, "SFT on the bank beats LOPD"). None where that does not apply."""
-    if recipe.train.algo not in ("lopd", "opsd") or source_student != "lora" or recipe.model.student != "lora":
+    if (recipe.train.algo not in ("lopd", "opsd") or source_student != "lora" or recipe.model.student != "lora"
+            or recipe.train.teacher == "init"):
         return None
     return (f"train.init_from: {recipe.train.init_from}: the {recipe.train.algo.upper()} teacher is the plain "
             "backbone (adapters off), not this warm-start student; where the warm start already beats the "
-            "backbone (e.g. after SFT), distillation pulls the student back towards it")
+            "backbone (e.g. after SFT), distillation pulls the student back towards it "
+            "(train.teacher=init makes the warm-start model the teacher)")
 
 
 def text_reference_chars(recipe) -> int:
@@ -541,7 +558,8 @@ def save(tr: Trainer) -> Path:
     }
     meta = {"algo": tr.algo, "backbone": tr.recipe.model.backbone, "backbone_path": tr.backbone_path,
             "student": tr.recipe.model.student, "rollouts_total": tr.state.rollouts_total,
-            "world_size": dist.world_size(), "init_from": tr.extra.get("init_from")}
+            "world_size": dist.world_size(), "init_from": tr.extra.get("init_from"),
+            "teacher": tr.recipe.train.teacher}
     # Rank 0 alone writes (every rank holds the same weights and state); the others wait.
     return dist.on_main(lambda: ckpt.save_checkpoint(tr.run_dir / "checkpoints", tr.state.step, meta, state,
                                                      writers, keep_last=tr.recipe.train.keep_last))
@@ -644,6 +662,10 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
     tr = build_trainer(project, recipe, run_dir)
     if step_dir is not None:
         restore(tr, step_dir)
+    elif init is not None and recipe.train.teacher == "init":
+        from lopd_cli.student import source_record
+
+        tr.extra["init_from"] = source_record(init)  # already the backbone; the student adapter starts fresh
     elif init is not None:
         msg = warm_start_teacher_warning(recipe, init.student)
         if msg:
