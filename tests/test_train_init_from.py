@@ -293,3 +293,27 @@ def test_teacher_init_refusals_are_one_line(project, lopd):
     _train(project, "tinit1", ["train.init_from=runs/src-sft", "train.teacher=init", "train.algo=sft",
                                "train.steps=1", "train.save_every=1"])
     assert "continue it with train.teacher=init" in err("ti3", "train.init_from=runs/tinit1")
+
+
+def test_coldstart_with_teacher_init_trains_and_checks_against_the_warm_start_model(project):
+    """`lopd coldstart --set train.init_from=runs/SFT --set train.teacher=init`: the composer is
+    trained for, and the check measures, the teacher such a chained LOPD run will have: the
+    check's "no block" NLL is the warm-start student's, not the plain backbone's."""
+    import json as _json
+
+    from lopd_cli.train.coldstart import run_coldstart
+
+    recipe = project.load_recipe("toolcall", ["train.init_from=runs/src-sft", "train.teacher=init",
+                                              "coldstart.steps=1"])
+    summary = run_coldstart(project, recipe, project.runs_dir / "coldstart-ti", show_progress=False)
+    assert summary["teacher"] == "init"
+    assert Path(summary["backbone"]).parent == project.runs_dir / "coldstart-ti" / "backbone"
+    plain = _json.loads((project.runs_dir / "coldstart" / "summary.json").read_text())
+    assert summary["check"] is not None and plain["check"] is not None
+    mine, theirs = summary["check"]["nll"]["none"]["all"], plain["check"]["nll"]["none"]["all"]
+    assert mine == mine and abs(mine - theirs) > 1e-4, (mine, theirs)
+
+    # a LOPD run on the same teacher takes that composer (it is matched to the backbone by name)
+    tr = _train(project, "ti-lopd", ["train.init_from=runs/src-sft", "train.teacher=init", "train.steps=1",
+                                     "train.composer_from=runs/coldstart-ti"])
+    assert tr.composer_dir == project.runs_dir / "coldstart-ti" / "composer"

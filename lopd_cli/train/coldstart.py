@@ -434,8 +434,15 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         if len({task_key(it) for it in items}) < n_ret + 1:
             raise LopdError(f"cold start needs successful rollouts of at least {n_ret + 1} different tasks "
                             f"(bank.n_retrieve = {n_ret}); the bank has {len({task_key(it) for it in items})}")
-        model, tokenizer = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device,
-                                         search_dirs=[recipe.base_dir, project.root])
+        search = [recipe.base_dir, project.root]
+        backbone = recipe.model.backbone
+        if recipe.train.teacher == "init":
+            # The teacher LOPD will have after `train.init_from` (e.g. SFT): the warm-start model,
+            # merged (as `lopd train` does), so the composer and the check are about that teacher.
+            from lopd_cli.student import init_source, merged_init_backbone
+
+            backbone = str(merged_init_backbone(init_source(project, recipe), run_dir, recipe.model.dtype, search))
+        model, tokenizer = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search_dirs=search)
         model = attach_adapters(model, recipe)
         composer = Composer(model, tokenizer, recipe.composer, recipe.bank.obs_char_budget)
         env = load_env_class(recipe.env.cls, recipe.base_dir)(**recipe.env.kwargs)
@@ -487,6 +494,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         cache.save(out)
         summary = {
             "run_dir": str(run_dir), "composer": str(out), "steps": cs.steps,
+            "teacher": recipe.train.teacher, "backbone": backbone,
             "train_examples": len(train), "val_examples": len(val),
             "val_nll_before": before, "val_nll_after": result["val_nll"],
             "anchor_cache_entries": len(cache),
