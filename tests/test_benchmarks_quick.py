@@ -224,3 +224,25 @@ def test_signoffs_counts_each_store_by_rule_set():
 
     got = count_signoffs([rec(recipe["sign_off"], 1.0), rec(base["sign_off"], 0.8), rec("", 0.6)])
     assert got == {"Cedar": {"tasks": 3, "success": 1, "recipe": 1, "base": 1, "other": 0, "none": 1}}
+
+
+def test_paired_success_matches_tasks_and_counts_discordant_ones(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import paired_success
+
+    def write(name, rewards):
+        p = tmp_path / name
+        p.write_text("".join(json.dumps({"task_id": t, "reward": r}) + "\n" for t, r in rewards.items()))
+        return p
+
+    base = write("a.jsonl", {"t1": 1.0, "t2": 0.0, "t3": 0.0, "t4": 1.0})
+    other = write("b.jsonl", {"t4": 0.5, "t3": 1.0, "t2": 1.0, "t1": 1.0, "t9": 1.0})  # other order, t9 unmatched
+    (row,) = paired_success.main([str(base), str(other), "--json"])
+    assert row["n"] == 4 and row["only_other"] == 2 and row["only_base"] == 1
+    assert row["diff"] == pytest.approx(0.25) and row["ci95"][0] < 0.25 < row["ci95"][1]
+    (row,) = paired_success.main([str(base), str(other), "--threshold", "0.5", "--json"])
+    assert row["only_base"] == 0 and row["diff"] == pytest.approx(0.5)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task_id": "t1"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1: not a rollout record"):
+        paired_success.main([str(base), str(bad)])
