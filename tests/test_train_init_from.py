@@ -176,9 +176,9 @@ def test_bad_sources_fail_with_one_line(project, lopd):
 
 
 def test_a_distillation_run_warm_started_from_lora_warns_that_its_teacher_is_the_backbone(project):
-    """After SFT the plain-backbone teacher can be behind the student (RESULTS: SFT 12.5 % →
-    SFT→LOPD 7.8 %): LOPD and OPSD warm-started from a LoRA student say so in one line; GRPO, SFT
-    and a full student (whose base is the merged source) do not."""
+    """A chained user may expect the warm-start model to teach: LOPD and OPSD warm-started from a
+    LoRA student say in one line that the teacher is the plain backbone; GRPO, SFT, a full
+    student (whose base is the merged source) and train.teacher=init do not."""
     import warnings
 
     from lopd_cli.errors import LopdWarning
@@ -193,6 +193,7 @@ def test_a_distillation_run_warm_started_from_lora_warns_that_its_teacher_is_the
         assert m and "\n" not in m and "init_from: runs/src-sft" in m and "plain backbone" in m
     assert msg("train.algo=grpo") is None and msg("train.algo=sft") is None
     assert msg("model.student=full") is None and msg(source="full") is None
+    assert msg("train.teacher=init") is None
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -285,16 +285,16 @@ def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
 
 def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
     """The one-line warning for a distillation run warm-started from a LoRA student: its
-    teacher is the plain backbone (adapters off), not the warm-start model, so after SFT the
-    teacher can be behind the student and distillation pulls the student back (measured in
-    benchmarks/RESULTS.md, "SFT on the bank beats LOPD"). None where that does not apply."""
+    teacher is the plain backbone (adapters off), not the warm-start model, which a user
+    chaining SFT → LOPD may not expect (`train.teacher: init` is the other choice; what each
+    gave is in benchmarks/RESULTS.md, "the teacher of a warm-started run"). None where that
+    does not apply."""
     if (recipe.train.algo not in ("lopd", "opsd") or source_student != "lora" or recipe.model.student != "lora"
             or recipe.train.teacher == "init"):
         return None
     return (f"train.init_from: {recipe.train.init_from}: the {recipe.train.algo.upper()} teacher is the plain "
-            "backbone (adapters off), not this warm-start student; where the warm start already beats the "
-            "backbone (e.g. after SFT), distillation pulls the student back towards it "
-            "(train.teacher=init makes the warm-start model the teacher)")
+            "backbone (adapters off), not this warm-start student; train.teacher=init makes the warm-start "
+            "model the teacher")
 
 
 def text_reference_chars(recipe) -> int:
