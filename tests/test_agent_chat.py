@@ -1,4 +1,5 @@
-"""Chat rendering and transcript tokenisation (native `tools=` and the Hermes fallback)."""
+"""Chat rendering and transcript tokenisation (native `tools=`, the Hermes fallback and the
+SmolLM2 chat-format profile)."""
 
 import copy
 
@@ -12,6 +13,9 @@ from lopd_cli.agent.chat import (
     template_supports_tools,
     tokenize_transcript,
 )
+from lopd_cli.agent.chat_profiles import PROFILES, apply_profile, profile_for
+from lopd_cli.agent.toolcalls import parse_tool_calls
+from lopd_cli.errors import LopdError
 from lopd_cli.models.backbone import load_tokenizer, resolve_backbone
 
 # SmolLM2's template: ChatML without any tool support.
@@ -47,6 +51,14 @@ def hermes(native):
     return tok
 
 
+@pytest.fixture(scope="module")
+def smollm2(native):
+    """The SmolLM2 profile's template on the tiny tokenizer (the same ChatML special tokens)."""
+    tok = copy.deepcopy(native)
+    apply_profile(tok, "smollm2")
+    return tok
+
+
 def test_template_detection(native, hermes):
     assert template_supports_tools(native) and not template_supports_tools(hermes)
 
@@ -61,7 +73,7 @@ def test_hermes_fallback_renders_tools_calls_and_results(hermes):
     assert "<|im_start|>tool" not in text
 
 
-@pytest.mark.parametrize("which", ["native", "hermes"])
+@pytest.mark.parametrize("which", ["native", "hermes", "smollm2"])
 def test_tokenize_transcript_masks_exactly_the_assistant_turns(which, request):
     tok = request.getfixturevalue(which)
     ids, mask = tokenize_transcript(tok, TRANSCRIPT, TOOLS)
@@ -98,3 +110,35 @@ def test_observation_ids_continue_after_the_end_of_turn_token(native):
     text = native.decode(obs)
     assert text.startswith("\n<|im_start|>user") and text.endswith("<|im_start|>assistant\n")
     assert native.decode(full).count(text) == 1
+
+
+def test_smollm2_profile_renders_the_apigen_format_and_parses_back(smollm2):
+    text = render_text(smollm2, TRANSCRIPT, TOOLS, add_generation_prompt=False)
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou are an expert in composing functions.")
+    assert '<tools>[{"type": "function"' in system and system.endswith("]</tool_call>\n\nYou help.")
+    # both calls in one block, as a JSON list, after the visible text
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert turn == ('Checking.\n<tool_call>[\n{"name": "get_order", "arguments": {"order_id": 12}},\n'
+                    '{"name": "get_order", "arguments": {"order_id": 13}}\n]</tool_call>')
+    visible, calls = parse_tool_calls(turn, TOOLS)
+    assert visible == "Checking." and [(c.name, c.arguments, c.id, c.error) for c in calls] == [
+        ("get_order", {"order_id": 12}, "call_0", None), ("get_order", {"order_id": 13}, "call_1", None)]
+    # each tool result is its own user turn of <tool_response>
+    assert text.count("<|im_start|>user\n<tool_response>\n") == 2 and "<|im_start|>tool" not in text
+    # no tools: SmolLM2's own default system prompt, no tools block
+    plain = render_text(smollm2, [{"role": "user", "content": "hi"}], None, add_generation_prompt=True)
+    assert plain.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM") and "<tools>" not in plain
+
+
+def test_profile_comes_from_the_model_folder(tmp_path):
+    assert profile_for(tmp_path) is None  # no lopd_model.json: the model's own template
+    (tmp_path / "lopd_model.json").write_text('{"name": "smollm2-135m-instruct"}')
+    assert profile_for(tmp_path) == "smollm2"  # embedded SmolLM2 folders made before the key
+    (tmp_path / "lopd_model.json").write_text('{"name": "smollm2-135m-instruct", "chat_format": "template"}')
+    assert profile_for(tmp_path) is None  # opting out
+    (tmp_path / "lopd_model.json").write_text('{"name": "mine", "chat_format": "smollm2"}')
+    assert profile_for(tmp_path) == "smollm2" and "smollm2" in PROFILES
+    (tmp_path / "lopd_model.json").write_text('{"chat_format": "llama9"}')
+    with pytest.raises(LopdError, match="lopd_model.json: unknown chat_format 'llama9'"):
+        profile_for(tmp_path)

@@ -32,6 +32,18 @@ def test_several_calls_in_one_turn_keep_order_and_unique_ids():
     assert all(c.error is None for c in calls)
 
 
+def test_a_json_list_in_one_block_is_several_calls_and_an_empty_list_none():
+    """SmolLM2's (APIGen) format: one block holding a list of calls; `[]` = no call."""
+    text = ('<tool_call>[\n{"name": "get_order", "arguments": {"order_id": 1}},\n'
+            '{"name": "send_message", "arguments": {"customer_id": 7}}\n]</tool_call>'
+            '<tool_call>{"name": "get_order", "arguments": {"order_id": 2}}</tool_call>')
+    visible, calls = parse_tool_calls(text, TOOLS, id_offset=1)
+    assert visible == ""
+    assert [(c.name, c.id) for c in calls] == [("get_order", "call_1"), ("send_message", "call_2"), ("get_order", "call_3")]
+    assert calls[0].error is None and "missing required argument(s) text" in calls[1].error and calls[2].error is None
+    assert parse_tool_calls("<tool_call>[]</tool_call>All done.", TOOLS) == ("All done.", [])
+
+
 def test_plain_answer_has_no_calls():
     visible, calls = parse_tool_calls("Order 42 is shipped.", TOOLS)
     assert visible == "Order 42 is shipped." and calls == []

@@ -3,6 +3,7 @@ ids rendered incrementally (chat.incremental_observation_ids): the recorded toke
 log-probs are those a fresh forward pass and a full re-rendering give."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from lopd_cli.agent.chat import (
     render_prompt_ids,
     tokenize_transcript,
 )
+from lopd_cli.agent.chat_profiles import apply_profile
 from lopd_cli.agent.runner import run_episodes
 from lopd_cli.agent.toolcalls import render_tool_call
 from lopd_cli.config import RolloutSection
@@ -161,8 +163,11 @@ def test_episodes_leaving_the_batch_keep_the_others_exact(tiny, tasks):
 
 # ---------------------------------------------------------------- incremental rendering
 
-def oracle_turns(task):
+def oracle_turns(task, list_format: bool = False):
     calls, answer = oracle_plan(task)
+    if list_format:  # SmolLM2's shape: one block holding a JSON list
+        return [f'<tool_call>[\n{{"name": "{c.name}", "arguments": {json.dumps(c.arguments)}}}\n]</tool_call>'
+                for c in calls] + [answer]
     return [render_tool_call(c.name, c.arguments) for c in calls] + [answer]
 
 
@@ -175,11 +180,22 @@ def hermes_tokenizer(tok):
     return t
 
 
-@pytest.mark.parametrize("template", ["native", "hermes"])
+def with_template(tok, template: str):
+    """native: the tiny template; hermes: the rewriting path; smollm2: the SmolLM2 profile."""
+    if template == "hermes":
+        return hermes_tokenizer(tok)
+    if template == "smollm2":
+        t = copy.deepcopy(tok)
+        apply_profile(t, "smollm2")
+        return t
+    return tok
+
+
+@pytest.mark.parametrize("template", ["native", "hermes", "smollm2"])
 def test_incremental_observation_ids_equal_full_rendering(tiny, tasks, template):
     """Every observation point of multi-turn orders transcripts (tool results, a second user turn)."""
     _, tok = tiny
-    tok = tok if template == "native" else hermes_tokenizer(tok)
+    tok = with_template(tok, template)
     checked = 0
     for t in tasks:
         calls, answer = oracle_plan(t)
@@ -205,14 +221,15 @@ def test_incremental_observation_ids_equal_full_rendering(tiny, tasks, template)
     assert checked > 2 * len(tasks)
 
 
-@pytest.mark.parametrize("template", ["native", "hermes"])
+@pytest.mark.parametrize("template", ["native", "hermes", "smollm2"])
 def test_runner_ids_equal_tokenize_transcript_in_one_batch(tiny, tasks, template):
     """All 16 multi-call oracle episodes in one batch (only the first live one is spot-checked
     against the full rendering, the others are rendered incrementally): ids and mask equal
     `tokenize_transcript` of the logged transcript, and the prompt `render_prompt_ids`."""
     _, tok = tiny
-    tok = tok if template == "native" else hermes_tokenizer(tok)
-    scripts = [(render_prompt_ids(tok, OrdersEnv().reset(t), t.tools), oracle_turns(t)) for t in tasks]
+    tok = with_template(tok, template)
+    scripts = [(render_prompt_ids(tok, OrdersEnv().reset(t), t.tools), oracle_turns(t, template == "smollm2"))
+               for t in tasks]
     backend = ScriptedBackend(tok, scripts)
     eps = run_episodes(None, tok, OrdersEnv, tasks, RolloutSection(max_new_tokens=96, max_turns=6, batch_size=16),
                        backend=backend)

@@ -1,4 +1,5 @@
-"""The tool-call protocol: Hermes/Qwen `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
+"""The tool-call protocol: Hermes/Qwen `<tool_call>{"name": …, "arguments": {…}}</tool_call>`,
+or a JSON list of such objects inside one block (SmolLM2's format, `agent/chat_profiles.py`).
 
 `parse_tool_calls` turns a model turn into (visible text, calls). It never raises: malformed
 JSON, an unclosed tag, an unknown tool or arguments that do not fit the tool's JSON schema
@@ -72,12 +73,20 @@ def check_arguments(schema: dict, arguments: dict[str, Any]) -> str | None:
     return None
 
 
-def _parse_one(body: str, index: int, schemas: dict[str, dict] | None) -> ToolCall:
-    call_id = f"call_{index}"
+def _parse_block(body: str, index: int, schemas: dict[str, dict] | None) -> list[ToolCall]:
+    """One `<tool_call>` block: a single call object (Hermes/Qwen) or a JSON list of them (the
+    SmolLM2 / APIGen format, `agent/chat_profiles.py`; `[]` means no call)."""
     try:
         obj = json.loads(body.strip())
     except json.JSONDecodeError as e:
-        return ToolCall(name="", arguments={}, id=call_id, error=f"malformed JSON in tool call ({e.msg})")
+        return [ToolCall(name="", arguments={}, id=f"call_{index}", error=f"malformed JSON in tool call ({e.msg})")]
+    if isinstance(obj, list):
+        return [_parse_one(o, index + i, schemas) for i, o in enumerate(obj)]
+    return [_parse_one(obj, index, schemas)]
+
+
+def _parse_one(obj: object, index: int, schemas: dict[str, dict] | None) -> ToolCall:
+    call_id = f"call_{index}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ToolCall(name="", arguments={}, id=call_id, error='a tool call must be {"name": ..., "arguments": {...}}')
     name = obj["name"]
@@ -109,7 +118,7 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None, id_offset: int 
     schemas = tool_schemas_by_name(tools) if tools is not None else None
     calls: list[ToolCall] = []
     for m in _BLOCK.finditer(text):
-        calls.append(_parse_one(m.group(1), id_offset + len(calls), schemas))
+        calls.extend(_parse_block(m.group(1), id_offset + len(calls), schemas))
     visible = _BLOCK.sub("", text)
     # An opened but never closed call (e.g. cut off by max_new_tokens).
     dangling = visible.find(OPEN)

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from lopd_cli.agent.chat_profiles import apply_profile, profile_for
 from lopd_cli.errors import LopdError
 from lopd_cli.models.registry import BACKBONES, materialise_backbone
 from lopd_cli.models.tiny import LATENT_TOKEN
@@ -54,6 +55,8 @@ def load_tokenizer(path: Path | str):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
+    if Path(str(path)).is_dir():
+        apply_profile(tok, profile_for(path))
     if LATENT_TOKEN not in tok.get_vocab():
         tok.add_special_tokens({"additional_special_tokens": [LATENT_TOKEN]})
     if tok.pad_token is None:

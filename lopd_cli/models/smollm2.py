@@ -3,6 +3,9 @@
 The package is found with importlib (importing it would import `llm`, which is not needed).
 transformers dequantises the GGUF on load but refuses to `save_pretrained` a GGUF-quantised
 model, so the config's quantization_config is dropped and the model rebuilt before saving.
+The GGUF's chat template has no tools branch; `lopd_model.json` names the `smollm2` chat-format
+profile (`agent/chat_profiles.py`), SmolLM2's own function-calling format, which
+`load_tokenizer` installs.
 """
 
 from __future__ import annotations
@@ -58,5 +61,6 @@ def convert_smollm2(out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "lopd_model.json").write_text(json.dumps({"name": "smollm2-135m-instruct", "source": GGUF_NAME}))
+    (out_dir / "lopd_model.json").write_text(json.dumps({"name": "smollm2-135m-instruct", "source": GGUF_NAME,
+                                                         "chat_format": "smollm2"}))
     return out_dir
