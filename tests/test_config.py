@@ -117,3 +117,16 @@ def test_plugin_errors_are_one_line_and_name_it(tmp_path, spec, match):
     with pytest.raises(LopdError, match=match) as e:
         load_env_class(spec, tmp_path)
     assert "\n" not in str(e.value)
+
+
+def test_every_packaged_recipe_validates_and_its_env_loads():
+    """A packaged recipe with a stale key or a wrong env path fails here, not on a user's machine."""
+    from lopd_cli.project import packaged_recipes
+
+    paths = sorted(packaged_recipes().glob("*.yaml"))
+    assert len(paths) >= 7 and any(p.stem == "orders-smollm2-sft" for p in paths)
+    for p in paths:
+        r = load_recipe(p)
+        assert r.name == p.stem, p
+        if "bfcl" not in p.stem:  # bfcl-eval is an optional extra
+            assert callable(load_env_class(r.env.cls, p.parent).tasks)
