@@ -30,9 +30,11 @@ def test_split_by_task_holds_out_whole_tasks():
 
 
 def test_same_norm_random_keeps_row_norms():
-    x = torch.randn(2, 6, 16) * 3
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1)) * 3
     r = same_norm_random(x, torch.Generator().manual_seed(0))
-    assert torch.allclose(r.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+    # relative: float32 norms of ~12 round at ~1e-6 of their size (an absolute 1e-5 failed
+    # for some draws of the global RNG when this test ran right after tests/test_check.py)
+    assert torch.allclose(r.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=0)
     assert not torch.allclose(r, x)
 
 

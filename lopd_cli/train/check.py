@@ -134,15 +134,21 @@ def _per_example_mean(per_example: list, masks: list[list[bool]] | None, want: b
 
 def run_check(model, tokenizer, composer, examples: Sequence, batch_size: int = 8,
               obs_char_budget: int = 600, text_max_chars: int = 1536,
-              rule_strings: Callable[[str], list[str]] | None = None) -> CheckResult:
-    """The check on `examples` (coldstart.Example: a held-out success and its references)."""
+              rule_strings: Callable[[str], list[str]] | None = None,
+              progress: Callable[[int], None] | None = None) -> CheckResult:
+    """The check on `examples` (coldstart.Example: a held-out success and its references).
+    `progress(1)` is called after each teacher mode and after the spread (len(MODES) + 1 calls)."""
     from lopd_cli.train.coldstart import latent_task_spread, teacher_example_logprobs
 
+    tick = progress or (lambda k=1: None)
     groups = [tuple(rule_strings(ex.episode.task.instruction)) for ex in examples] if rule_strings else None
     partners = other_task_partners([{getattr(r, "id", None) for r in ex.refs} for ex in examples], groups)
-    per_mode = {m: [lp.tolist() for lp in teacher_example_logprobs(
-        model, tokenizer, composer, examples, "other" if m == "other" else m, batch_size,
-        obs_char_budget=obs_char_budget, text_max_chars=text_max_chars, partners=partners)] for m in MODES}
+    per_mode = {}
+    for m in MODES:
+        per_mode[m] = [lp.tolist() for lp in teacher_example_logprobs(
+            model, tokenizer, composer, examples, m, batch_size,
+            obs_char_budget=obs_char_budget, text_max_chars=text_max_chars, partners=partners)]
+        tick(1)
     masks = None
     if rule_strings is not None:
         masks = [rule_token_mask(tokenizer, ex.episode.input_ids, ex.episode.action_mask,
@@ -159,6 +165,7 @@ def run_check(model, tokenizer, composer, examples: Sequence, batch_size: int = 
         gaps[f"none-learned{suffix}"] = paired_gap(means["none"][part], means["learned"][part])
         gaps[f"other-learned{suffix}"] = paired_gap(means["other"][part], means["learned"][part])
     spread = latent_task_spread(composer, examples, batch_size)
+    tick(1)
     return CheckResult(len(examples), nll, gaps, spread, verdict_lines(gaps, spread))
 
 

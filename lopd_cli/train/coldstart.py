@@ -486,8 +486,17 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
             from lopd_cli.train.loop import text_reference_chars
 
             model.eval()
-            check = run_check(model, tokenizer, composer, val, cs.batch_size, recipe.bank.obs_char_budget,
-                              text_reference_chars(recipe), getattr(env, "rule_strings", None))
+            args = (model, tokenizer, composer, val, cs.batch_size, recipe.bank.obs_char_budget,
+                    text_reference_chars(recipe), getattr(env, "rule_strings", None))
+            if show_progress:
+                from lopd_cli.progress import counter
+                from lopd_cli.train.check import MODES
+
+                with counter(f"check on {len(val)} held-out successes (teacher modes + spread)",
+                             total=len(MODES) + 1) as tick:
+                    check = run_check(*args, progress=tick)
+            else:
+                check = run_check(*args)
         with torch.no_grad():
             tasks = env.tasks("train")[: cs.anchor_cache_tasks]
             cache = build_anchor_cache(composer, retriever, tasks, n_ret, recipe.bank.allow_self_retrieval)
