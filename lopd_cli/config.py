@@ -105,6 +105,10 @@ class ColdstartSection(Section):
     # frozen teacher before the first step. The latents are pushed hardest where reading the
     # references verbatim helps (what they hold that the prompt does not). 0: plain mean NLL.
     privilege_weight: float = Field(0.0, ge=0.0)
+    # Reconstruction (ICAE-style auto-encoding): + weight · the teacher's NLL of one retrieved
+    # reference's own action tokens, read from the same latent block. It asks the latents to carry
+    # what the item says, token by token, not only what helps the target. 0: off.
+    reconstruct_weight: float = Field(0.0, ge=0.0)
     clip_lora: float = Field(3.0, gt=0)
     clip_qformer: float = Field(30.0, gt=0)
     eval_every: int = Field(50, ge=1)

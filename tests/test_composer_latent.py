@@ -221,3 +221,17 @@ def test_save_load_roundtrip_and_backbone_mismatch(setup, tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(LopdError, match="backbone"):
         Composer.load(out, model, tok, recipe.composer)
+
+
+def test_teacher_nll_reports_progress_per_batch(setup):
+    """The cold start's "validation NLL before training" counter: one call per batch, summing to
+    the number of examples, and the same NLL with or without it."""
+    from lopd_cli.train.coldstart import Example, teacher_nll
+
+    model, tok, _, composer = setup
+    refs = items(5)
+    examples = [Example(episode(tok, 10 + i, 1), refs[i : i + 1]) for i in range(5)]
+    calls: list[int] = []
+    with_bar = teacher_nll(model, tok, composer, examples, "learned", batch_size=2, progress=calls.append)
+    assert calls == [2, 2, 1]
+    assert abs(with_bar - teacher_nll(model, tok, composer, examples, "learned", batch_size=2)) < 1e-6

@@ -4,7 +4,9 @@ For a successful bank rollout τ of task x, retrieve n_ret other successful roll
 x's own task or instruction), compose c_φ, and train φ so the teacher — the frozen backbone with
 c_φ in its prompt — gives τ's action tokens high likelihood: loss = mean NLL over those tokens.
 Plus, with `coldstart.contrastive_weight` > 0, a hinge that makes the teacher's NLL with the
-task's own references beat its NLL with another task's by `coldstart.contrastive_margin`.
+task's own references beat its NLL with another task's by `coldstart.contrastive_margin`; and with
+`coldstart.reconstruct_weight` > 0, an auto-encoding term (ICAE): the teacher, given the same
+latent block, must reproduce one retrieved reference's own action tokens.
 AdamW over χ and the encoder LoRA, each at its own learning rate (`coldstart.lr_resampler`,
 `coldstart.lr_encoder`), both ramped up linearly over `coldstart.warmup_steps`, each clipped by
 its own norm (`coldstart.clip_qformer`, `coldstart.clip_lora`). Every eval also logs the
@@ -110,6 +112,9 @@ class Example:
     episode: Episode
     refs: list
     privilege: torch.Tensor | None = None  # per action token (coldstart.privilege_weight), else None
+    # refs[j] as a transcript, for coldstart.reconstruct_weight (None: not reconstructed: too long,
+    # no action token, or a held-out task's), else None
+    ref_episodes: list | None = None
 
 
 def make_examples(tokenizer, retriever, items: Sequence, n_ret: int, max_tokens: int | None) -> list[Example]:
@@ -121,6 +126,35 @@ def make_examples(tokenizer, retriever, items: Sequence, n_ret: int, max_tokens:
         ep = item_episode(tokenizer, it, max_tokens)
         if ep is not None and sum(ep.action_mask) > 0:
             out.append(Example(ep, r))
+    return out
+
+
+def add_reference_episodes(tokenizer, examples: Sequence[Example], max_tokens: int | None,
+                           held_out: set[str]) -> int:
+    """Fill each example's `ref_episodes` (the reconstruction targets) and return how many
+    references can be reconstructed. A reference of a held-out task (`held_out`: task keys) is
+    never a target, so no validation transcript is trained on."""
+    cache: dict = {}
+    usable = 0
+    for ex in examples:
+        eps = []
+        for it in ex.refs:
+            if it.id not in cache:
+                ep = None if task_key(it) in held_out else item_episode(tokenizer, it, max_tokens)
+                cache[it.id] = ep if ep is not None and sum(ep.action_mask) > 0 else None
+            eps.append(cache[it.id])
+            usable += eps[-1] is not None
+        ex.ref_episodes = eps
+    return usable
+
+
+def reconstruction_targets(examples: Sequence[Example], rng: random.Random) -> list[tuple[int, Episode]]:
+    """(row in the batch, episode) of one reconstructable reference per example, drawn at random."""
+    out = []
+    for b, ex in enumerate(examples):
+        choices = [ep for ep in (ex.ref_episodes or []) if ep is not None]
+        if choices:
+            out.append((b, rng.choice(choices)))
     return out
 
 
@@ -166,8 +200,10 @@ def same_norm_random(latents: torch.Tensor, generator: torch.Generator | None = 
 
 def teacher_example_logprobs(model, tokenizer, composer: Composer, examples: Sequence[Example], mode: str = "learned",
                              batch_size: int = 8, seed: int = 0, obs_char_budget: int = 600, text_max_chars: int = 1536,
-                             partners: Sequence[int] | None = None) -> list[torch.Tensor]:
+                             partners: Sequence[int] | None = None,
+                             progress: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """log p_teacher of each example's action tokens (one tensor per example, in order), no grad.
+    `progress(n)` is called after each batch of n examples.
 
     mode: "learned" (c_φ of the retrieved items), "random" (random latents with c_φ's per-row
     norms), "zeros" (the framed block with all-zero latents: the framing alone), "shuffled" (c_φ
@@ -208,14 +244,17 @@ def teacher_example_logprobs(model, tokenizer, composer: Composer, examples: Seq
                 batch = build_teacher_batch(eps, tokenizer, latents.shape[1]).to(latents.device)
                 lp = teacher_token_logprobs(model, batch, latents)
             out += list(lp.float().cpu().split([sum(e.action_mask) for e in eps]))
+            if progress is not None:
+                progress(len(chunk))
     return out
 
 
 def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example], mode: str = "learned",
-                batch_size: int = 8, seed: int = 0, obs_char_budget: int = 600, text_max_chars: int = 1536) -> float:
+                batch_size: int = 8, seed: int = 0, obs_char_budget: int = 600, text_max_chars: int = 1536,
+                progress: Callable[[int], None] | None = None) -> float:
     """Per-token NLL of the examples' action tokens under the teacher (modes: `teacher_example_logprobs`)."""
     lps = teacher_example_logprobs(model, tokenizer, composer, examples, mode, batch_size, seed, obs_char_budget,
-                                   text_max_chars)
+                                   text_max_chars, progress=progress)
     count = sum(lp.numel() for lp in lps)
     return float(-sum(lp.sum() for lp in lps)) / max(count, 1)
 
@@ -330,13 +369,25 @@ def contrastive_term(model, tokenizer, episodes: Sequence[Episode], latents: tor
     return contrastive_hinge(own[keep], other[keep], margin)
 
 
+def reconstruction_nll(model, tokenizer, latents: torch.Tensor, targets: Sequence[tuple[int, Episode]]) -> torch.Tensor:
+    """ICAE-style auto-encoding: the teacher's mean NLL of each target reference's own action
+    tokens, with its prompt and the latent block of the example (row) the reference was retrieved
+    for, which holds that reference's latents among the others'."""
+    rows = torch.tensor([b for b, _ in targets], device=latents.device)
+    batch = build_teacher_batch([ep for _, ep in targets], tokenizer, latents.shape[1]).to(latents.device)
+    return -teacher_token_logprobs(model, batch, latents[rows]).mean()
+
+
 def coldstart_step(model, tokenizer, composer: Composer, examples: Sequence[Example], optimizer,
                    clip_lora: float, clip_qformer: float, contrastive_weight: float = 0.0,
-                   contrastive_margin: float = 0.1, scheduler=None, privilege_weight: float = 0.0) -> dict:
+                   contrastive_margin: float = 0.1, scheduler=None, privilege_weight: float = 0.0,
+                   reconstruct_weight: float = 0.0,
+                   reconstruct: Sequence[tuple[int, Episode]] | None = None) -> dict:
     """One step: loss = mean NLL of the examples' action tokens under the teacher with c_φ of
     their references (weighted by 1 + privilege_weight · each token's reference privilege when
-    the examples carry it, `add_reference_privilege`) + contrastive_weight · `contrastive_term`.
-    ψ and χ are clipped separately."""
+    the examples carry it, `add_reference_privilege`) + contrastive_weight · `contrastive_term`
+    + reconstruct_weight · `reconstruction_nll` of `reconstruct` ((row, reference episode) pairs,
+    `reconstruction_targets`). ψ and χ are clipped separately."""
     from lopd_cli.train.losses import privilege_weighted_nll
 
     lora, chi = composer_param_groups(model, composer)
@@ -356,6 +407,10 @@ def coldstart_step(model, tokenizer, composer: Composer, examples: Sequence[Exam
                                  contrastive_margin)
         loss = loss + float(contrastive_weight) * hinge
         row["contrastive"] = float(hinge.detach())
+    if reconstruct_weight > 0 and reconstruct:
+        rec = reconstruction_nll(model, tokenizer, latents, reconstruct)
+        loss = loss + float(reconstruct_weight) * rec
+        row["reconstruct"] = float(rec.detach())
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     g_lora = torch.nn.utils.clip_grad_norm_(lora, clip_lora)
@@ -383,15 +438,19 @@ def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example
     optimizer, scheduler = composer_optimizer(model, composer, cfg.lr_encoder or cfg.lr, cfg.lr_resampler or cfg.lr,
                                               cfg.warmup_steps)
     sampler = TaskSampler(len(train), cfg.seed)
+    pick = random.Random(cfg.seed + 1)  # which reference each example reconstructs
     torch.manual_seed(cfg.seed)
     history: list[dict] = []
     val_nll = None
     model.train(False)  # dropout-free LoRA either way; the teacher must be deterministic
     for step in range(1, cfg.steps + 1):
         idx = sampler.take(min(cfg.batch_size, len(train)))
-        row = {"step": step, **coldstart_step(model, tokenizer, composer, [train[i] for i in idx], optimizer,
+        batch = [train[i] for i in idx]
+        targets = reconstruction_targets(batch, pick) if cfg.reconstruct_weight > 0 else None
+        row = {"step": step, **coldstart_step(model, tokenizer, composer, batch, optimizer,
                                               cfg.clip_lora, cfg.clip_qformer, cfg.contrastive_weight,
-                                              cfg.contrastive_margin, scheduler, cfg.privilege_weight)}
+                                              cfg.contrastive_margin, scheduler, cfg.privilege_weight,
+                                              cfg.reconstruct_weight, targets)}
         if val and (step % cfg.eval_every == 0 or step == cfg.steps):
             health = composer_health(model, tokenizer, composer, val, cfg.batch_size)
             val_nll = health["nll_own"] if health else teacher_nll(model, tokenizer, composer, val, "learned",
@@ -450,6 +509,10 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         max_tokens = recipe.rollout.max_prompt_tokens
         train = make_examples(tokenizer, retriever, train_items, n_ret, max_tokens)
         val = make_examples(tokenizer, retriever, val_items, n_ret, max_tokens)
+        reconstructable = None
+        if cs.reconstruct_weight > 0:
+            reconstructable = add_reference_episodes(tokenizer, train, max_tokens,
+                                                     {task_key(it) for it in val_items})
         privileged_share = None
         if cs.privilege_weight > 0 and train:
             from lopd_cli.train.loop import text_reference_chars
@@ -460,7 +523,14 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
         metrics = MetricsLog(run_dir)
-        before = teacher_nll(model, tokenizer, composer, val, "learned", cs.batch_size) if val else None
+        before = None
+        if val and show_progress:  # minutes on a real model: say what is happening
+            from lopd_cli.progress import counter
+
+            with counter(f"validation NLL before training ({len(val)} held-out successes)", total=len(val)) as tick:
+                before = teacher_nll(model, tokenizer, composer, val, "learned", cs.batch_size, progress=tick)
+        elif val:
+            before = teacher_nll(model, tokenizer, composer, val, "learned", cs.batch_size)
         if show_progress:
             from lopd_cli.cli.common import progress
 
@@ -508,6 +578,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
             "val_nll_before": before, "val_nll_after": result["val_nll"],
             "anchor_cache_entries": len(cache),
             "privileged_token_share": privileged_share,
+            "reconstructable_references": reconstructable,
             "check": check.to_dict() if check else None,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
