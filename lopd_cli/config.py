@@ -90,6 +90,9 @@ class ComposerSection(Section):
 class ColdstartSection(Section):
     steps: int = Field(200, ge=0)
     batch_size: int = Field(4, ge=1)
+    # Examples per forward/backward within a step (gradients accumulate): memory, not the maths,
+    # except that contrastive pairs are formed within a micro-batch (1: no contrastive pair).
+    micro_batch: int | None = Field(None, ge=1)
     lr: float = Field(1e-4, gt=0)
     # Separate learning rates for ψ (encoder LoRA) and χ (resampler); None: `lr`. Both ramp up
     # linearly from 0 over `warmup_steps` (a fresh χ under full-size Adam steps amplifies the

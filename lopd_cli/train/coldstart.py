@@ -382,44 +382,73 @@ def coldstart_step(model, tokenizer, composer: Composer, examples: Sequence[Exam
                    clip_lora: float, clip_qformer: float, contrastive_weight: float = 0.0,
                    contrastive_margin: float = 0.1, scheduler=None, privilege_weight: float = 0.0,
                    reconstruct_weight: float = 0.0,
-                   reconstruct: Sequence[tuple[int, Episode]] | None = None) -> dict:
+                   reconstruct: Sequence[tuple[int, Episode]] | None = None,
+                   micro_batch: int | None = None) -> dict:
     """One step: loss = mean NLL of the examples' action tokens under the teacher with c_φ of
     their references (weighted by 1 + privilege_weight · each token's reference privilege when
     the examples carry it, `add_reference_privilege`) + contrastive_weight · `contrastive_term`
     + reconstruct_weight · `reconstruction_nll` of `reconstruct` ((row, reference episode) pairs,
-    `reconstruction_targets`). ψ and χ are clipped separately."""
+    `reconstruction_targets`). ψ and χ are clipped separately.
+
+    `micro_batch`: examples per forward/backward (gradients accumulate; one optimiser step). The
+    NLL and the reconstruction are the same token means whatever the split; the contrastive pairs
+    are formed within each micro-batch (so micro_batch 1 has no contrastive pair)."""
     from lopd_cli.train.losses import privilege_weighted_nll
 
     lora, chi = composer_param_groups(model, composer)
-    eps = [ex.episode for ex in examples]
-    latents = composer([ex.refs for ex in examples], [e.task.instruction for e in eps])
-    batch = build_teacher_batch(eps, tokenizer, latents.shape[1]).to(latents.device)
-    lp = teacher_token_logprobs(model, batch, latents)
-    nll = -lp.mean()
-    loss = nll
-    row: dict = {}
-    if privilege_weight > 0 and all(ex.privilege is not None for ex in examples):
-        priv = torch.cat([ex.privilege for ex in examples]).to(lp.device)
-        loss = privilege_weighted_nll(lp, priv, privilege_weight)
-        row["privileged_nll"] = float((priv * -lp.detach()).sum() / priv.sum().clamp_min(1e-12))
-    if contrastive_weight > 0:
-        hinge = contrastive_term(model, tokenizer, eps, latents, batch, lp, [e.task.id for e in eps],
-                                 contrastive_margin)
-        loss = loss + float(contrastive_weight) * hinge
-        row["contrastive"] = float(hinge.detach())
-    if reconstruct_weight > 0 and reconstruct:
-        rec = reconstruction_nll(model, tokenizer, latents, reconstruct)
-        loss = loss + float(reconstruct_weight) * rec
-        row["reconstruct"] = float(rec.detach())
+    n = len(examples)
+    size = n if not micro_batch else max(1, int(micro_batch))
+    total_tokens = max(1, sum(sum(ex.episode.action_mask) for ex in examples))
+    weighted = privilege_weight > 0 and all(ex.privilege is not None for ex in examples)
+    by_row: dict[int, list[Episode]] = {}
+    for b, ep in reconstruct or []:
+        by_row.setdefault(b, []).append(ep)
+    n_targets = len(reconstruct or [])
+    rec_tokens = max(1, sum(sum(ep.action_mask) for _, ep in reconstruct or []))
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    nll_sum = priv_num = priv_den = hinge_sum = rec_sum = 0.0
+    norms = []
+    for start in range(0, n, size):
+        group = examples[start : start + size]
+        eps = [ex.episode for ex in group]
+        latents = composer([ex.refs for ex in group], [e.task.instruction for e in eps])
+        batch = build_teacher_batch(eps, tokenizer, latents.shape[1]).to(latents.device)
+        lp = teacher_token_logprobs(model, batch, latents)
+        nll_sum += float(-lp.detach().sum())
+        norms.append(float(latents.detach().norm(dim=-1).mean()))
+        if weighted:  # the token mean over the whole step, whatever the split
+            priv = torch.cat([ex.privilege for ex in group]).to(lp.device)
+            loss = privilege_weighted_nll(lp, priv, privilege_weight) * (lp.numel() / total_tokens)
+            priv_num += float((priv * -lp.detach()).sum())
+            priv_den += float(priv.sum())
+        else:
+            loss = -lp.sum() / total_tokens
+        if contrastive_weight > 0:
+            hinge = contrastive_term(model, tokenizer, eps, latents, batch, lp, [e.task.id for e in eps],
+                                     contrastive_margin)
+            loss = loss + float(contrastive_weight) * hinge * (len(group) / n)
+            hinge_sum += float(hinge.detach()) * len(group)
+        rows = [(b - start, ep) for b in range(start, start + len(group)) for ep in by_row.get(b, [])]
+        if reconstruct_weight > 0 and rows:
+            rec = reconstruction_nll(model, tokenizer, latents, rows)
+            share = sum(sum(ep.action_mask) for _, ep in rows) / rec_tokens
+            loss = loss + float(reconstruct_weight) * rec * share
+            rec_sum += float(rec.detach()) * share
+        loss.backward()
+    row: dict = {}
+    if weighted:
+        row["privileged_nll"] = priv_num / max(priv_den, 1e-12)
+    if contrastive_weight > 0:
+        row["contrastive"] = hinge_sum / n
+    if reconstruct_weight > 0 and n_targets:
+        row["reconstruct"] = rec_sum
     g_lora = torch.nn.utils.clip_grad_norm_(lora, clip_lora)
     g_chi = torch.nn.utils.clip_grad_norm_(chi, clip_qformer)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    return {"loss": nll.item(), **row, "grad_norm_lora": float(g_lora), "grad_norm_qformer": float(g_chi),
-            "tokens": lp.numel(), "latent_norm": float(latents.detach().norm(dim=-1).mean()),
+    return {"loss": nll_sum / total_tokens, **row, "grad_norm_lora": float(g_lora), "grad_norm_qformer": float(g_chi),
+            "tokens": total_tokens, "latent_norm": sum(norms) / len(norms),
             "lr_encoder": optimizer.param_groups[0]["lr"], "lr_resampler": optimizer.param_groups[1]["lr"]}
 
 
@@ -450,7 +479,7 @@ def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example
         row = {"step": step, **coldstart_step(model, tokenizer, composer, batch, optimizer,
                                               cfg.clip_lora, cfg.clip_qformer, cfg.contrastive_weight,
                                               cfg.contrastive_margin, scheduler, cfg.privilege_weight,
-                                              cfg.reconstruct_weight, targets)}
+                                              cfg.reconstruct_weight, targets, cfg.micro_batch)}
         if val and (step % cfg.eval_every == 0 or step == cfg.steps):
             health = composer_health(model, tokenizer, composer, val, cfg.batch_size)
             val_nll = health["nll_own"] if health else teacher_nll(model, tokenizer, composer, val, "learned",
