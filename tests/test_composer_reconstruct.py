@@ -125,3 +125,17 @@ def test_micro_batches_give_the_same_step_as_one_batch(setup):  # noqa: F811
     assert abs(whole["grad_norm_lora"] - split["grad_norm_lora"]) < 1e-3 * max(1.0, whole["grad_norm_lora"])
     for a, b in zip(after_whole, after_split):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-3)
+
+
+def test_micro_batch_one_with_the_contrastive_term_warns(setup):  # noqa: F811
+    import pytest
+
+    from lopd_cli.config import ColdstartSection
+    from lopd_cli.errors import LopdWarning
+    from lopd_cli.train.coldstart import train_composer
+
+    model, tok, _, composer = setup
+    examples = examples_for(tok, bank_items(4))
+    cfg = ColdstartSection(steps=1, batch_size=2, micro_batch=1, contrastive_weight=1.0)
+    with pytest.warns(LopdWarning, match="no contrastive pair"):
+        train_composer(model, tok, composer, examples, [], cfg)

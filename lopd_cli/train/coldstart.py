@@ -462,6 +462,13 @@ def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example
     if not train:
         raise LopdError("cold start: no training examples (the bank needs successful rollouts of at least "
                         "n_retrieve + 1 different tasks; see `lopd bank stats`)")
+    if cfg.micro_batch == 1 and cfg.contrastive_weight > 0 and cfg.batch_size > 1:
+        import warnings
+
+        from lopd_cli.errors import LopdWarning
+
+        warnings.warn("coldstart.micro_batch 1 forms no contrastive pair, so coldstart.contrastive_weight has no "
+                      "effect; use micro_batch >= 2 or contrastive_weight 0", LopdWarning, stacklevel=2)
     set_trainable(model, [ENCODER])
     composer.resampler.requires_grad_(True)
     optimizer, scheduler = composer_optimizer(model, composer, cfg.lr_encoder or cfg.lr, cfg.lr_resampler or cfg.lr,
