@@ -116,6 +116,10 @@ class ColdstartSection(Section):
     clip_qformer: float = Field(30.0, gt=0)
     eval_every: int = Field(50, ge=1)
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    # Held-out examples scored (validation NLL before/during training, composer health, the
+    # check): None = all of them. Each costs ~10 teacher passes over it, minutes on a real model
+    # on a CPU; a cap takes an evenly spaced subset.
+    val_n: int | None = Field(None, ge=2)
     # c_φ0 computed right after cold start for this many training tasks; the others are
     # computed once, on first use, during training (with the cold-start composer kept frozen).
     anchor_cache_tasks: int = Field(128, ge=0)

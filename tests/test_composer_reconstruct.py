@@ -139,3 +139,12 @@ def test_micro_batch_one_with_the_contrastive_term_warns(setup):  # noqa: F811
     cfg = ColdstartSection(steps=1, batch_size=2, micro_batch=1, contrastive_weight=1.0)
     with pytest.warns(LopdWarning, match="no contrastive pair"):
         train_composer(model, tok, composer, examples, [], cfg)
+
+
+def test_val_n_takes_an_evenly_spaced_subset():
+    from lopd_cli.train.coldstart import evenly_spaced
+
+    assert evenly_spaced(range(10), None) == list(range(10))
+    assert evenly_spaced(range(10), 20) == list(range(10))
+    assert evenly_spaced(range(10), 4) == [0, 2, 5, 7]
+    assert evenly_spaced(range(45), 16)[-1] < 45 and len(set(evenly_spaced(range(45), 16))) == 16

@@ -107,6 +107,14 @@ def retrieve_references(retriever, items: Sequence, n_ret: int) -> list[list]:
     return refs
 
 
+def evenly_spaced(items: Sequence, n: int | None) -> list:
+    """At most n of `items`, spread evenly over the list (all of them when n is None or larger)."""
+    items = list(items)
+    if n is None or len(items) <= n:
+        return items
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
 @dataclass
 class Example:
     episode: Episode
@@ -544,7 +552,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         train_items, val_items = holdout_split(items, env, cs.val_fraction, cs.seed)
         max_tokens = recipe.rollout.max_prompt_tokens
         train = make_examples(tokenizer, retriever, train_items, n_ret, max_tokens)
-        val = make_examples(tokenizer, retriever, val_items, n_ret, max_tokens)
+        val = evenly_spaced(make_examples(tokenizer, retriever, val_items, n_ret, max_tokens), cs.val_n)
         reconstructable = None
         if cs.reconstruct_weight > 0:
             reconstructable = add_reference_episodes(tokenizer, train, max_tokens,
