@@ -1,10 +1,20 @@
-"""Sample efficiency on `orders` with the tiny base policy: LOPD vs GRPO vs OPSD (+ ablations).
+"""Sample efficiency on `orders` with the tiny base policy: LOPD vs GRPO vs OPSD vs SFT (+ ablations).
 
-Every method gets the same total rollout budget B, and every rollout counts:
+Every method gets the same total rollout budget B, and every rollout lopd generates counts:
 
     LOPD, OPSD, ablations: B = bank filling (N_bank student rollouts of the base policy, which
                            also feed the cold start) + training rollouts
+    SFT:                   bank filling only (it trains on the bank's successes, `--sft-steps`
+                           steps, and spends no rollout: its curve stands at N_bank)
+    SFT → LOPD:            the seed's SFT student, then LOPD from it (`train.init_from`) with
+                           the rest of the budget, the seed's cold-start composer and LOPD's
+                           teacher (the frozen base backbone)
     GRPO:                  B = training rollouts
+
+`--team-logs N` first imports the scripted agent's logs of the last N training tasks and of the
+validation tasks into every seed's bank, as `lopd demo` does (the team's prior agent on the
+house-rules world: the experience SFT and the composer learn from). They are the user's logs,
+not rollouts lopd generated, so they do not count toward B (as in the demo).
 
 Per seed s (the training seed `train.seed` and the bank-filling sampling seed): one project
 (copy of a template holding the tiny orders base policy, the same for every seed), a bank of
@@ -53,9 +63,11 @@ METHODS: dict[str, list[str]] = {
     "opsd": ["train.algo=opsd"],
     "lopd_margin0": ["train.algo=lopd", "train.margin_m=0"],
     "lopd_frozen": ["train.algo=lopd", "train.freeze_composer=true"],
+    "sft": ["train.algo=sft"],
+    "sft_lopd": ["train.algo=lopd"],  # from the seed's SFT student (run_method adds train.init_from)
 }
-USES_BANK = {"lopd", "opsd", "lopd_margin0", "lopd_frozen"}
-USES_COMPOSER = {"lopd", "lopd_margin0", "lopd_frozen"}
+USES_BANK = {"lopd", "opsd", "lopd_margin0", "lopd_frozen", "sft", "sft_lopd"}
+USES_COMPOSER = {"lopd", "lopd_margin0", "lopd_frozen", "sft_lopd"}
 
 
 def t_interval(values: list[float]) -> tuple[float | None, float | None]:
@@ -130,6 +142,24 @@ def fill_bank(project, recipe, n_bank: int, seed: int) -> dict[str, Any]:
     return {"added": res.added, "successes": res.successes}
 
 
+def import_team_logs(project, recipe, n_train: int, seed: int) -> dict[str, Any]:
+    """The scripted agent's logs (the team's prior agent, `orders_policy.scripted_agent_records`)
+    of the last `n_train` training tasks and of the validation tasks, through `logs/agent.jsonl`
+    into the bank, as `lopd demo` does. Not indexed here: `fill_bank` indexes after it."""
+    from lopd_cli.agent.runner import make_env_factory
+    from lopd_cli.bank.store import Bank
+    from lopd_cli.envs.orders_policy import scripted_agent_records
+
+    env = make_env_factory(recipe)()
+    records = scripted_agent_records(env.tasks("train")[-n_train:] + env.tasks("validation"), seed=seed)
+    logs = project.root / "logs" / "agent.jsonl"
+    logs.parent.mkdir(exist_ok=True)
+    logs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
+        res = bank.add_file(logs)
+    return {"added": res.added, "successes": res.successes}
+
+
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
@@ -150,6 +180,17 @@ def aggregate(data: dict[str, Any]) -> None:
                       "final_rollouts": [r["curve"][-1]["rollouts"] for r in runs]}
     data["methods"] = methods
     data["lopd_fraction_of_budget_to_grpo_final"] = None
+    data["budget_fraction_to_grpo_final"] = None
+    if "grpo" in methods:
+        target = methods["grpo"]["final_success_mean"]
+        data["budget_fraction_to_grpo_final"] = {"target_grpo_final_success": target, "methods": {}}
+        for m, runs in by_method.items():
+            fr = [crossing_budget([(p["rollouts"], p["success"]) for p in r["curve"]], target) for r in runs]
+            fr = [x / data["budget"] if x is not None else None for x in fr]
+            got = [f for f in fr if f is not None]
+            data["budget_fraction_to_grpo_final"]["methods"][m] = {
+                "per_seed": fr, "seeds_reaching": len(got), "seeds": len(fr),
+                "mean_over_reaching_seeds": t_interval(got)[0]}
     if "lopd" in methods and "grpo" in methods:
         target = methods["grpo"]["final_success_mean"]
         fracs, reached = [], []
@@ -250,6 +291,8 @@ class Study:
         return project.load_recipe("toolcall", sets)
 
     def steps_for(self, method: str) -> int:
+        if method == "sft":
+            return self.args.sft_steps
         prior = self.args.bank if method in USES_BANK else 0
         return max(1, (self.args.budget - prior) // self.args.rollouts_per_step)
 
@@ -280,6 +323,8 @@ class Study:
         for group in (first, rest):
             for seed in a.seeds:
                 for method in group:
+                    if any(r["method"] == method and r["seed"] == seed for r in self.data["runs"]):
+                        continue  # the SFT run an sft_lopd already made for this seed
                     project, composer_dir, bank_ok = self.prepare_seed(tpl, seed)
                     if method in USES_BANK and not bank_ok:
                         self.data.setdefault("skipped", []).append({"method": method, "seed": seed,
@@ -307,6 +352,8 @@ class Study:
         if any(m in USES_BANK for m in a.methods):
             t0 = time.perf_counter()
             rec = self.recipe(project, "lopd", seed)
+            if a.team_logs:
+                self.data.setdefault("team_logs", {})[str(seed)] = import_team_logs(project, rec, a.team_logs, seed)
             filled = fill_bank(project, rec, a.bank, seed)
             self.say(f"seed {seed}: bank {filled} ({time.perf_counter() - t0:.0f} s)")
             self.data.setdefault("bank", {})[str(seed)] = filled
@@ -333,6 +380,10 @@ class Study:
         extra = [f"train.steps={steps}", f"train.save_every={every}"]
         if composer_dir is not None and method in USES_COMPOSER:
             extra.append(f"train.composer_from={composer_dir}")
+        start = self.data["base"]
+        if method == "sft_lopd":
+            sft_dir, start = self.sft_student(project, seed, composer_dir)
+            extra.append(f"train.init_from={sft_dir}")
         rec = self.recipe(project, method, seed, extra)
         run_dir = project.runs_dir / method
         if run_dir.exists():
@@ -341,7 +392,7 @@ class Study:
         tr = train(project, rec, run_dir)
         t_train = time.perf_counter() - t0
         prior = a.bank if method in USES_BANK else 0
-        curve = [{"rollouts": prior, "step": 0, **self.data["base"]}]
+        curve = [{"rollouts": prior, "step": 0, **start}]
         t0 = time.perf_counter()
         for ck in checkpoint_dirs(run_dir):
             info = read_checkpoint(ck)
@@ -356,6 +407,16 @@ class Study:
         self.data["runs"].append({"method": method, "seed": seed, "steps": steps, "run_dir": str(run_dir),
                                   "train_seconds": t_train, "curve": curve})
         self.finish()
+
+    def sft_student(self, project, seed: int, composer_dir: Path | None) -> tuple[Path, dict[str, Any]]:
+        """The seed's SFT run (made by the "sft" method, or here when only "sft_lopd" runs) and its
+        final checkpoint's figures: where SFT → LOPD starts."""
+        done = [r for r in self.data["runs"] if r["method"] == "sft" and r["seed"] == seed]
+        if not done:
+            self.run_method(project, "sft", seed, composer_dir)
+            done = [r for r in self.data["runs"] if r["method"] == "sft" and r["seed"] == seed]
+        final = {k: v for k, v in done[-1]["curve"][-1].items() if k not in ("rollouts", "step")}
+        return Path(done[-1]["run_dir"]), final
 
     # ------------------------------------------------------------------ output
     def save(self) -> None:
@@ -380,6 +441,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-n", type=int, default=64, help="tasks per checkpoint evaluation (spread over the split)")
     p.add_argument("--base-policy", default=None, help="tiny orders policy folder (default: the cached `lopd init` one)")
     p.add_argument("--coldstart-steps", type=int, default=60)
+    p.add_argument("--sft-steps", type=int, default=12, help="SFT steps (sft, and the start of sft_lopd)")
+    p.add_argument("--team-logs", type=int, default=0,
+                   help="import the scripted agent's logs of this many training tasks (+ validation) per seed")
     p.add_argument("--set", action="append", default=[], help="extra recipe override KEY=VALUE (repeatable)")
     p.add_argument("--work", default="/tmp/lopd_sample_efficiency")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -389,7 +453,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # Exercises every stage in minutes; the figures mean nothing. bank.min_reward 0 keeps
         # the bank non-empty whatever the base policy's success rate.
         a.budget, a.bank, a.rollouts_per_step, a.points, a.eval_n = 24, 8, 4, 1, 4
-        a.seeds, a.coldstart_steps = a.seeds[:1], 2
+        a.seeds, a.coldstart_steps, a.sft_steps = a.seeds[:1], 2, 2
+        a.team_logs = a.team_logs or 8
         a.set = ["rollout.max_new_tokens=32", "rollout.max_turns=3", "train.group_size=2",
                  "bank.min_reward=0.0", "bank.n_retrieve=1"] + a.set
     if a.bank >= a.budget:

@@ -63,14 +63,21 @@ def test_sample_efficiency_quick(tmp_path):
     assert (out / "sample_efficiency_report.png").stat().st_size > 0
     B, bank, R = saved["budget"], saved["bank_rollouts"], saved["rollouts_per_step"]
     assert set(saved["methods"]) == set(se.METHODS)
+    runs = {r["method"]: r for r in saved["runs"]}
+    assert len(runs) == len(saved["runs"])  # sft ran once, though sft_lopd needs it too
     for run in saved["runs"]:
         prior = bank if run["method"] in se.USES_BANK else 0
         curve = run["curve"]
         # every rollout counted: the bank methods' curves start after bank filling, and the
-        # trainer's own counter ends at prior + steps × R, never past B
+        # trainer's own counter ends at prior + steps × R, never past B; SFT spends none
+        spent = 0 if run["method"] == "sft" else run["steps"] * R
         assert curve[0]["rollouts"] == prior
-        assert curve[-1]["rollouts"] == prior + run["steps"] * R <= B
+        assert curve[-1]["rollouts"] == prior + spent <= B
         assert all(0.0 <= p["success"] <= 1.0 for p in curve)
+    # SFT -> LOPD starts where SFT ended
+    assert runs["sft_lopd"]["curve"][0]["success"] == runs["sft"]["curve"][-1]["success"]
+    assert saved["team_logs"]["0"]["successes"] > 0
+    assert set(saved["budget_fraction_to_grpo_final"]["methods"]) == set(se.METHODS)
     for m in saved["methods"].values():
         assert 0.0 <= m["final_success_mean"] <= 1.0 and m["seeds"] == [0]
     frac = saved["lopd_fraction_of_budget_to_grpo_final"]
