@@ -120,8 +120,8 @@ class Example:
     episode: Episode
     refs: list
     privilege: torch.Tensor | None = None  # per action token (coldstart.privilege_weight), else None
-    # refs[j] as a transcript, for coldstart.reconstruct_weight (None: not reconstructed: too long,
-    # no action token, or a held-out task's), else None
+    # refs as transcripts, the reconstruction targets (`add_reference_episodes`; an entry is None
+    # for a reference that is too long, has no action token or is a held-out task's)
     ref_episodes: list | None = None
 
 
