@@ -93,6 +93,7 @@ def eval_cmd(
         for label, load in loaders:
             task = bar.add_task(f"eval {label}", total=None, info="loading")
             m, tok = load()
+            bar.update(task, info=f"{split}, running")  # loaded: the count appears as episodes finish
             episodes_done = [0]
 
             def tick(k: int, task=task) -> None:
