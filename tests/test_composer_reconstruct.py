@@ -32,6 +32,21 @@ def bank_items(n: int) -> list[BankLike]:
             for i, it in enumerate(items(n))]
 
 
+def restorer(model, composer):
+    """A function that puts φ (the encoder LoRA ψ and the resampler χ) back to what it is now,
+    so two arms of a test start from the same composer."""
+    psi = adapter_parameters(model, ENCODER)
+    saved = ([p.detach().clone() for p in psi], {k: v.clone() for k, v in composer.resampler.state_dict().items()})
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, v in zip(psi, saved[0]):
+                p.copy_(v)
+        composer.resampler.load_state_dict(saved[1])
+
+    return restore
+
+
 def examples_for(tok, refs) -> list[Example]:
     return [Example(episode(tok, 10 + i, 1 + i % 2), refs[2 * i: 2 * i + 2]) for i in range(len(refs) // 2)]
 
@@ -78,14 +93,10 @@ def test_training_with_the_term_lowers_the_reconstruction_nll(setup):  # noqa: F
     examples = examples_for(tok, bank_items(6))
     add_reference_episodes(tok, examples, None, set())
     targets = reconstruction_targets(examples, random.Random(0))
-    psi = adapter_parameters(model, ENCODER)
-    start = ([p.detach().clone() for p in psi], {k: v.clone() for k, v in composer.resampler.state_dict().items()})
+    restore = restorer(model, composer)
 
     def rec_after(weight: float) -> float:
-        with torch.no_grad():
-            for p, v in zip(psi, start[0]):
-                p.copy_(v)
-        composer.resampler.load_state_dict(start[1])
+        restore()
         opt, _ = composer_optimizer(model, composer, 1e-2, 1e-2, 0)
         for _ in range(3):
             row = coldstart_step(model, tok, composer, examples, opt, 3.0, 30.0, reconstruct_weight=weight,
@@ -107,13 +118,11 @@ def test_micro_batches_give_the_same_step_as_one_batch(setup):  # noqa: F811
     add_reference_episodes(tok, examples, None, set())
     targets = reconstruction_targets(examples, random.Random(0))
     psi = adapter_parameters(model, ENCODER)
-    start = ([p.detach().clone() for p in psi], {k: v.clone() for k, v in composer.resampler.state_dict().items()})
+    restore = restorer(model, composer)
+    before = [p.detach().clone() for p in psi] + [p.detach().clone() for p in composer.resampler.parameters()]
 
     def step(micro: int | None):
-        with torch.no_grad():
-            for p, v in zip(psi, start[0]):
-                p.copy_(v)
-        composer.resampler.load_state_dict(start[1])
+        restore()
         opt = torch.optim.SGD([{"params": psi}, {"params": list(composer.resampler.parameters())}], lr=0.1)
         row = coldstart_step(model, tok, composer, examples, opt, 1e9, 1e9, reconstruct_weight=0.5,
                              reconstruct=targets, micro_batch=micro)
@@ -123,6 +132,7 @@ def test_micro_batches_give_the_same_step_as_one_batch(setup):  # noqa: F811
     split, after_split = step(3)
     assert abs(whole["loss"] - split["loss"]) < 1e-5 and whole["tokens"] == split["tokens"]
     assert abs(whole["grad_norm_lora"] - split["grad_norm_lora"]) < 1e-3 * max(1.0, whole["grad_norm_lora"])
+    assert any(not torch.allclose(a, b) for a, b in zip(before, after_whole))  # the step did move φ
     for a, b in zip(after_whole, after_split):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-3)
 
