@@ -24,6 +24,20 @@ def setup_torch() -> None:
     _DONE = True
 
 
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's global RNGs from `seed`. Call it before any module is built:
+    torch seeds its default generator at random at import, so an unseeded LoRA or composer
+    init differs from one process to the next."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 _QUIET_ENV = "TRANSFORMERS_VERBOSITY"
 
 

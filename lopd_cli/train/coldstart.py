@@ -528,9 +528,11 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
     from lopd_cli.plugins import load_env_class
+    from lopd_cli.runtime import seed_everything
     from lopd_cli.train.metrics import MetricsLog
 
     cs, n_ret = recipe.coldstart, recipe.bank.n_retrieve
+    seed_everything(cs.seed)  # the encoder LoRA's and χ's init: the same composer from the same seed
     retriever = Retriever.open(project, recipe)
     try:
         items = retriever.bank.items(success_only=True)

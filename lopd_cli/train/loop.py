@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from lopd_cli.agent.metrics import summarize
@@ -40,7 +39,7 @@ from lopd_cli.errors import LopdError
 from lopd_cli.models import adapters as ad
 from lopd_cli.models.backbone import load_backbone, resolve_backbone
 from lopd_cli.project import Project
-from lopd_cli.runtime import warn_if_slow_bf16
+from lopd_cli.runtime import seed_everything, warn_if_slow_bf16
 from lopd_cli.train import checkpoint as ckpt
 from lopd_cli.train import distributed as dist
 from lopd_cli.train.batch import BatchTotals, batch_totals
@@ -99,12 +98,6 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------- set-up
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def find_composer(project: Project, recipe: Recipe) -> Path:
