@@ -52,6 +52,7 @@ def test_verdicts_need_the_whole_interval_above_zero():
     yes, no = Gap(0.3, 0.1, 0.5, 20), Gap(0.05, -0.02, 0.12, 20)
     lines = verdict_lines({"none-text": yes, "none-learned": no, "other-learned": yes}, 0.2)
     assert lines[0].startswith("Does a teacher beat the student? only with text") and "yes:" in lines[1]
+    assert "another coldstart.seed" in lines[0]  # what to do about it
     lines = verdict_lines({"none-text": no, "none-learned": no, "other-learned": no}, 0.001)
     assert "no:" in lines[0] and "fixed soft prompt" in lines[1]
 
