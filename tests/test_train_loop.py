@@ -41,18 +41,23 @@ def test_coldstart_is_reproducible_from_its_seed(project):
     χ made every `lopd coldstart` process a different composer (found when a rerun of an 80-step
     cold start collapsed where the first had not). The same seed gives the same composer, bit for
     bit, whatever ran before in the process; another seed gives another."""
+    import shutil
+
     from lopd_cli.train.coldstart import run_coldstart
 
-    torch.randn(7)  # move the global generator, as a previous stage of the process would
-    recipe = project.load_recipe("toolcall")
-    run_coldstart(project, recipe, project.runs_dir / "coldstart_again", show_progress=False)
-    first, again = _composer_tensors(project.runs_dir / "coldstart"), _composer_tensors(project.runs_dir / "coldstart_again")
-    assert first.keys() == again.keys()
-    assert all(torch.equal(first[k], again[k]) for k in first)
-    other = project.load_recipe("toolcall", ["coldstart.seed=1"])
-    run_coldstart(project, other, project.runs_dir / "coldstart_seed1", show_progress=False)
-    seed1 = _composer_tensors(project.runs_dir / "coldstart_seed1")
-    assert any(not torch.equal(first[k], seed1[k]) for k in first)
+    again_dir, seed1_dir = project.runs_dir / "coldstart_again", project.runs_dir / "coldstart_seed1"
+    try:
+        torch.randn(7)  # move the global generator, as a previous stage of the process would
+        run_coldstart(project, project.load_recipe("toolcall"), again_dir, show_progress=False)
+        first, again = _composer_tensors(project.runs_dir / "coldstart"), _composer_tensors(again_dir)
+        assert first.keys() == again.keys()
+        assert all(torch.equal(first[k], again[k]) for k in first)
+        run_coldstart(project, project.load_recipe("toolcall", ["coldstart.seed=1"]), seed1_dir, show_progress=False)
+        seed1 = _composer_tensors(seed1_dir)
+        assert any(not torch.equal(first[k], seed1[k]) for k in first)
+    finally:  # the other tests train from the project's newest composer, which must stay runs/coldstart
+        shutil.rmtree(again_dir, ignore_errors=True)
+        shutil.rmtree(seed1_dir, ignore_errors=True)
 
 
 def test_lopd_steps_update_student_and_composer(project):
