@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     from lopd_cli.envs.orders_policy import scripted_agent_records
     from lopd_cli.models.composer import Composer
     from lopd_cli.scaffold import create_project
-    from lopd_cli.train.coldstart import latent_task_spread, make_examples, split_by_task, teacher_nll, run_coldstart
+    from lopd_cli.train.coldstart import holdout_split, latent_task_spread, make_examples, teacher_nll, run_coldstart
 
     root = Path(args.out or tempfile.mkdtemp(prefix="lopd-coldstart-"))
     project = create_project(root, example="orders", model=args.model, force=True, base_policy=not args.no_base_policy)
@@ -85,10 +85,15 @@ def main(argv: list[str] | None = None) -> dict:
     from lopd_cli.models.backbone import load_backbone
 
     model, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, "cpu", [recipe.base_dir, project.root])
+    from lopd_cli.runtime import seed_everything
+
+    seed_everything(recipe.coldstart.seed)  # `fresh` is then the init the cold start trained from
     model = attach_adapters(model, recipe)
     fresh = Composer(model, tok, recipe.composer, recipe.bank.obs_char_budget)
     retriever = Retriever.open(project, recipe)
-    _, val_items = split_by_task(retriever.bank.items(), recipe.coldstart.val_fraction, recipe.coldstart.seed)
+    # the cold start's own held-out split (run_coldstart), so no scored task was trained on
+    _, val_items = holdout_split(retriever.bank.items(success_only=True), env, recipe.coldstart.val_fraction,
+                                 recipe.coldstart.seed)
     val = make_examples(tok, retriever, val_items, recipe.bank.n_retrieve, recipe.rollout.max_prompt_tokens)
     torch.manual_seed(0)
     before = teacher_nll(model, tok, fresh, val, "learned")
