@@ -33,7 +33,8 @@ from typing import Callable
 from lopd_cli.errors import LopdError
 
 # Sized for a laptop: the recipe's own values except these.
-DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=80", "train.steps=12", "train.save_every=6"]
+# coldstart.eval_every 80: no validation pass mid-way; the check after the last step is the figure.
+DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=80", "coldstart.eval_every=80", "train.steps=12", "train.save_every=6"]
 BANK_ROLLOUTS = 64
 AGENT_LOGS = 96  # of training tasks; plus one log per validation task (the check's held-out successes)
 DEMO_MARKER = ".lopd-demo"

@@ -462,8 +462,11 @@ def coldstart_step(model, tokenizer, composer: Composer, examples: Sequence[Exam
 
 def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example], val: Sequence[Example], cfg,
                    log: Callable[[dict], None] = lambda row: None,
-                   on_step: Callable[[int, dict], None] = lambda step, row: None) -> dict:
-    """The cold-start loop: returns {"steps", "val_nll" (last), "history"}. `cfg` = recipe.coldstart."""
+                   on_step: Callable[[int, dict], None] = lambda step, row: None,
+                   final_eval: bool = True) -> dict:
+    """The cold-start loop: returns {"steps", "val_nll" (last), "history"}. `cfg` = recipe.coldstart.
+    `final_eval` False skips the validation after the last step (the caller scores it itself:
+    `run_coldstart`'s check covers the same figures)."""
     from lopd_cli.models.adapters import ENCODER, set_trainable
     from lopd_cli.train.sampler import TaskSampler
 
@@ -495,7 +498,7 @@ def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example
                                               cfg.clip_lora, cfg.clip_qformer, cfg.contrastive_weight,
                                               cfg.contrastive_margin, scheduler, cfg.privilege_weight,
                                               cfg.reconstruct_weight, targets, cfg.micro_batch)}
-        if val and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if val and (step == cfg.steps and final_eval or step < cfg.steps and step % cfg.eval_every == 0):
             health = composer_health(model, tokenizer, composer, val, cfg.batch_size)
             val_nll = health["nll_own"] if health else teacher_nll(model, tokenizer, composer, val, "learned",
                                                                    batch_size=cfg.batch_size)
@@ -569,6 +572,11 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
         metrics = MetricsLog(run_dir)
+        checks = len(val) >= 2  # the before-training check runs after the last step
+        held: list[dict] = []  # the last step's row, logged with the check's validation figures
+
+        def log_row(row: dict) -> None:
+            (held.append if checks and row["step"] == cs.steps else metrics.log)(row)
         before = None
         if val and show_progress:  # minutes on a real model: say what is happening
             from lopd_cli.progress import counter
@@ -587,17 +595,13 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
                     info = f"loss {row['loss']:.3f}" + (f"  val {row['val_nll']:.3f}" if "val_nll" in row else "")
                     bar.update(task, advance=1, info=info)
 
-                result = train_composer(model, tokenizer, composer, train, val, cs, metrics.log, on_step)
+                result = train_composer(model, tokenizer, composer, train, val, cs, log_row, on_step,
+                                        final_eval=not checks)
         else:
-            result = train_composer(model, tokenizer, composer, train, val, cs, metrics.log)
-        metrics.close()
+            result = train_composer(model, tokenizer, composer, train, val, cs, log_row, final_eval=not checks)
 
-        out = run_dir / COMPOSER_DIR
-        emb_fp = embedder_fingerprint(recipe.bank.embedder)
-        composer.save(out, emb_fp, extra={"kind": "coldstart", "steps": cs.steps, "val_nll": result["val_nll"],
-                                          "n_retrieve": n_ret})
         check = None
-        if len(val) >= 2:
+        if checks:
             from lopd_cli.train.check import run_check
             from lopd_cli.train.loop import text_reference_chars
 
@@ -613,6 +617,19 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
                     check = run_check(*args, progress=tick)
             else:
                 check = run_check(*args)
+            # The check scored the final composer on the same held-out examples: its figures are
+            # the last validation row (no second pass over them).
+            own, other = check.nll["learned"]["all"], check.nll["other"]["all"]
+            result["val_nll"] = own
+            last = held[0] if held else {"step": cs.steps}
+            metrics.log({**last, "val_nll": own, "composer/latent_task_spread": check.task_spread,
+                         "composer/nll_gap": other - own})
+        metrics.close()
+
+        out = run_dir / COMPOSER_DIR
+        emb_fp = embedder_fingerprint(recipe.bank.embedder)
+        composer.save(out, emb_fp, extra={"kind": "coldstart", "steps": cs.steps, "val_nll": result["val_nll"],
+                                          "n_retrieve": n_ret})
         with torch.no_grad():
             tasks = env.tasks("train")[: cs.anchor_cache_tasks]
             cache = build_anchor_cache(composer, retriever, tasks, n_ret, recipe.bank.allow_self_retrieval)
