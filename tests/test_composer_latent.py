@@ -235,3 +235,41 @@ def test_teacher_nll_reports_progress_per_batch(setup):
     with_bar = teacher_nll(model, tok, composer, examples, "learned", batch_size=2, progress=calls.append)
     assert calls == [2, 2, 1]
     assert abs(with_bar - teacher_nll(model, tok, composer, examples, "learned", batch_size=2)) < 1e-6
+
+
+@pytest.mark.parametrize("view", ["teacher", "student"])
+def test_shared_prefix_pass_equals_one_full_pass(setup, view):
+    """`decoder_hidden` runs the rows' common prefix (system prompt, tools) once and repeats its
+    cache: the hidden states and the gradients (into c_φ, and into a LoRA that the prefix depends
+    on, in the student view) are those of one full pass."""
+    from lopd_cli.models.composer import decoder_of
+    from lopd_cli.models.latent import decoder_hidden, shared_prefix_len
+
+    model, tok, _, composer = setup
+    eps = [episode(tok, 4821, 2), episode(tok, 77, 1), episode(tok, 5, 3, extra=" Please hurry.")]
+    latents = composer([items(2), items(3)[1:], items(2)], [e.task.instruction for e in eps])
+    batch = build_teacher_batch(eps, tok, latents.shape[1])
+    P = shared_prefix_len(batch.input_ids, batch.attention_mask, batch.latent_mask)
+    first_latent = int(batch.latent_mask[0].nonzero()[0])
+    assert 0 < P <= first_latent and P < min(batch.lengths)
+
+    results = []
+    for min_prefix in (10**9, 1):  # full pass, then the shared-prefix pass
+        for p in list(model.parameters()) + list(composer.resampler.parameters()):
+            p.grad = None
+        with teacher_view(model) if view == "teacher" else use_student(model):
+            embeds = teacher_inputs_embeds(model, batch.input_ids, latents, batch.latent_mask)
+            h = decoder_hidden(decoder_of(model), batch.input_ids, batch.attention_mask, embeds, batch.latent_mask,
+                               min_prefix=min_prefix)
+        keep = batch.attention_mask.bool()
+        (h[keep] ** 2).mean().backward(retain_graph=True)
+        grads = {n: p.grad.clone() for n, p in list(model.named_parameters()) + list(composer.resampler.named_parameters())
+                 if p.grad is not None}
+        results.append((h.detach()[keep], grads))
+    (h_full, g_full), (h_pre, g_pre) = results
+    assert torch.allclose(h_full, h_pre, atol=1e-5, rtol=1e-4)
+    assert g_full.keys() == g_pre.keys() and g_full
+    if view == "student":
+        assert any(adapter_of(n) == STUDENT for n in g_full)  # the prefix's gradient path is kept
+    for n in g_full:
+        assert torch.allclose(g_full[n], g_pre[n], atol=1e-6, rtol=1e-3), n

@@ -181,6 +181,51 @@ def action_token_logprobs(logits: torch.Tensor, batch_index: torch.Tensor, posit
     return torch.log_softmax(rows, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
 
 
+MIN_SHARED_PREFIX = 64  # tokens; below this the one-row prefix pass is not worth its overhead
+
+
+def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      latent_mask: torch.Tensor | None = None) -> int:
+    """How many leading positions every row shares: the same real token and no latent there.
+    At least one position of each row is left after it."""
+    same = (input_ids == input_ids[:1]).all(0) & attention_mask.bool().all(0)
+    if latent_mask is not None:
+        same &= ~latent_mask.bool().any(0)
+    return min(int(same.long().cumprod(0).sum()), input_ids.shape[1] - 1)
+
+
+def decoder_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   inputs_embeds: torch.Tensor | None = None, latent_mask: torch.Tensor | None = None,
+                   min_prefix: int | None = None) -> torch.Tensor:
+    """decoder(...).last_hidden_state (B, T, d), with the prefix that every row shares (a world's
+    system prompt and tool schemas: ~800 of ~1,000 tokens in `orders`) run once, on one row, and
+    its key/value cache repeated for the rest. The same maths as one full pass (causal
+    attention: a prefix position sees only the prefix); gradients reach whatever the prefix
+    depends on through the repeated cache (summed over rows, as in the full pass). Right padding.
+    A prefix shorter than `min_prefix` (default `MIN_SHARED_PREFIX`) gets one full pass."""
+    B = input_ids.shape[0]
+    # Activation checkpointing would re-run the suffix's cache update in backward: one full pass then.
+    recompute = getattr(decoder, "gradient_checkpointing", False) and torch.is_grad_enabled()
+    P = shared_prefix_len(input_ids, attention_mask, latent_mask) if B > 1 and not recompute else 0
+    if P < (MIN_SHARED_PREFIX if min_prefix is None else min_prefix):
+        kw = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": input_ids}
+        return decoder(**kw, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    head = decoder(input_ids=input_ids[:1, :P], attention_mask=attention_mask[:1, :P], use_cache=True)
+    cache = getattr(head, "cache", None) or head.past_key_values
+    cache.batch_repeat_interleave(B)
+    tail_embeds = (inputs_embeds if inputs_embeds is not None else decoder.get_input_embeddings()(input_ids))[:, P:]
+    tail = decoder(inputs_embeds=tail_embeds, attention_mask=attention_mask, **{_cache_kwarg(decoder): cache},
+                   use_cache=True).last_hidden_state
+    return torch.cat([head.last_hidden_state.expand(B, -1, -1), tail], dim=1)
+
+
+def _cache_kwarg(decoder) -> str:
+    """transformers ≥ 5.x calls the forward's cache argument `cache`, earlier ones `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
 def teacher_hidden(model, batch: TeacherBatch, latents: torch.Tensor) -> torch.Tensor:
     """Last hidden states (B, T, d) of the teacher (adapters off, c_φ in the placeholders);
     gradients reach `latents`. Feed rows at `teacher_pos − 1` to the lm_head (chunked)."""
@@ -189,7 +234,7 @@ def teacher_hidden(model, batch: TeacherBatch, latents: torch.Tensor) -> torch.T
 
     with teacher_view(model):
         embeds = teacher_inputs_embeds(model, batch.input_ids, latents, batch.latent_mask)
-        return decoder_of(model)(inputs_embeds=embeds, attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
+        return decoder_hidden(decoder_of(model), batch.input_ids, batch.attention_mask, embeds, batch.latent_mask)
 
 
 def output_head(model):

@@ -79,9 +79,9 @@ def collate(episodes: Sequence[Episode], pad_id: int, device: torch.device | str
 def student_hidden(model, batch: StudentBatch) -> torch.Tensor:
     """Last hidden states (B, T-1, d) of the active view of `model`, prediction layout."""
     from lopd_cli.models.composer import decoder_of
+    from lopd_cli.models.latent import decoder_hidden
 
-    out = decoder_of(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    return out.last_hidden_state[:, :-1]
+    return decoder_hidden(decoder_of(model), batch.input_ids, batch.attention_mask)[:, :-1]
 
 
 def to_student_layout(teacher_hidden: torch.Tensor, tb: TeacherBatch, shape: tuple[int, int]) -> torch.Tensor:

@@ -180,6 +180,7 @@ def plain_teacher_token_logprobs(model, episodes: Sequence[Episode], chunk_size:
     """The same tokens scored by the frozen backbone with no reference block at all."""
     from lopd_cli.models.adapters import teacher_view
     from lopd_cli.models.composer import decoder_of
+    from lopd_cli.models.latent import decoder_hidden
 
     device = next(model.parameters()).device
     T = max(len(e.input_ids) for e in episodes)
@@ -195,7 +196,7 @@ def plain_teacher_token_logprobs(model, episodes: Sequence[Episode], chunk_size:
                 pos.append(i)
                 toks.append(e.input_ids[i])
     with teacher_view(model):
-        hidden = decoder_of(model)(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+        hidden = decoder_hidden(decoder_of(model), ids, attn)
     rows = hidden[torch.tensor(b_idx, device=device), torch.tensor(pos, device=device) - 1]
     return chunked_token_logprobs(rows, output_head(model), torch.tensor(toks, device=device), chunk_size=chunk_size)
 
