@@ -91,7 +91,14 @@ def test_coldstart_cli_end_to_end(tmp_path):
     out = project.runs_dir / "cs" / "composer"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dims"]["num_queries"] == 2 and manifest["embedder_fingerprint"].startswith("all-minilm")
-    assert len([json.loads(l) for l in (project.runs_dir / "cs" / "metrics.jsonl").read_text().splitlines()]) == 2
+    rows = [json.loads(l) for l in (project.runs_dir / "cs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # The last step's validation figures are the check's own (no second pass), in the row and the manifest.
+    summary = json.loads((project.runs_dir / "cs" / "summary.json").read_text())
+    own = summary["check"]["nll"]["learned"]["all"]
+    assert rows[-1]["val_nll"] == own == summary["val_nll_after"] == manifest["val_nll"]
+    assert rows[-1]["composer/latent_task_spread"] == summary["check"]["task_spread"] and "loss" in rows[-1]
+    assert "val_nll" in rows[0]  # eval_every 1: step 1 still validates mid-run
     cache = LatentCache.load(out)
     assert len(cache) == 8 and all(t.shape == (4, 128) for t in cache.entries.values())
 

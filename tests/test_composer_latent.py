@@ -253,7 +253,8 @@ def test_shared_prefix_pass_equals_one_full_pass(setup, view):
     first_latent = int(batch.latent_mask[0].nonzero()[0])
     assert 0 < P <= first_latent and P < min(batch.lengths)
 
-    results = []
+    results, calls = [], []
+    hook = decoder_of(model).register_forward_hook(lambda mod, args, out: calls.append(1))
     for min_prefix in (10**9, 1):  # full pass, then the shared-prefix pass
         for p in list(model.parameters()) + list(composer.resampler.parameters()):
             p.grad = None
@@ -261,11 +262,14 @@ def test_shared_prefix_pass_equals_one_full_pass(setup, view):
             embeds = teacher_inputs_embeds(model, batch.input_ids, latents, batch.latent_mask)
             h = decoder_hidden(decoder_of(model), batch.input_ids, batch.attention_mask, embeds, batch.latent_mask,
                                min_prefix=min_prefix)
+        calls.append("|")
         keep = batch.attention_mask.bool()
         (h[keep] ** 2).mean().backward(retain_graph=True)
         grads = {n: p.grad.clone() for n, p in list(model.named_parameters()) + list(composer.resampler.named_parameters())
                  if p.grad is not None}
         results.append((h.detach()[keep], grads))
+    hook.remove()
+    assert calls == [1, "|", 1, 1, "|"]  # one pass, then the prefix pass and the rest: the shared path ran
     (h_full, g_full), (h_pre, g_pre) = results
     assert torch.allclose(h_full, h_pre, atol=1e-5, rtol=1e-4)
     assert g_full.keys() == g_pre.keys() and g_full

@@ -14,6 +14,7 @@ Logits at position p-1 predict the token at p; `TeacherBatch` gives token positi
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -210,20 +211,23 @@ def decoder_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if P < (MIN_SHARED_PREFIX if min_prefix is None else min_prefix):
         kw = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": input_ids}
         return decoder(**kw, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    # The prefix is read from the token ids (no latent lies in it), so when only the latents need
+    # gradients no graph is built through it.
     head = decoder(input_ids=input_ids[:1, :P], attention_mask=attention_mask[:1, :P], use_cache=True)
-    cache = getattr(head, "cache", None) or head.past_key_values
+    cache = head.cache if hasattr(head, "cache") else head.past_key_values
     cache.batch_repeat_interleave(B)
-    tail_embeds = (inputs_embeds if inputs_embeds is not None else decoder.get_input_embeddings()(input_ids))[:, P:]
-    tail = decoder(inputs_embeds=tail_embeds, attention_mask=attention_mask, **{_cache_kwarg(decoder): cache},
+    rest = {"inputs_embeds": inputs_embeds[:, P:]} if inputs_embeds is not None else {"input_ids": input_ids[:, P:]}
+    tail = decoder(**rest, attention_mask=attention_mask, **{_cache_kwarg(type(decoder)): cache},
                    use_cache=True).last_hidden_state
     return torch.cat([head.last_hidden_state.expand(B, -1, -1), tail], dim=1)
 
 
-def _cache_kwarg(decoder) -> str:
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(decoder_class: type) -> str:
     """transformers ≥ 5.x calls the forward's cache argument `cache`, earlier ones `past_key_values`."""
     import inspect
 
-    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
 
 
 def teacher_hidden(model, batch: TeacherBatch, latents: torch.Tensor) -> torch.Tensor:

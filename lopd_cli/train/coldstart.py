@@ -499,7 +499,7 @@ def train_composer(model, tokenizer, composer: Composer, train: Sequence[Example
                                               cfg.clip_lora, cfg.clip_qformer, cfg.contrastive_weight,
                                               cfg.contrastive_margin, scheduler, cfg.privilege_weight,
                                               cfg.reconstruct_weight, targets, cfg.micro_batch)}
-        if val and (step == cfg.steps and final_eval or step < cfg.steps and step % cfg.eval_every == 0):
+        if val and ((step == cfg.steps and final_eval) or (step < cfg.steps and step % cfg.eval_every == 0)):
             health = composer_health(model, tokenizer, composer, val, cfg.batch_size)
             val_nll = health["nll_own"] if health else teacher_nll(model, tokenizer, composer, val, "learned",
                                                                    batch_size=cfg.batch_size)
@@ -601,36 +601,43 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         else:
             result = train_composer(model, tokenizer, composer, train, val, cs, log_row, final_eval=not checks)
 
-        check = None
-        if checks:
-            from lopd_cli.train.check import run_check
-            from lopd_cli.train.loop import text_reference_chars
-
-            model.eval()
-            args = (model, tokenizer, composer, val, cs.batch_size, recipe.bank.obs_char_budget,
-                    text_reference_chars(recipe), getattr(env, "rule_strings", None))
-            if show_progress:
-                from lopd_cli.progress import counter
-                from lopd_cli.train.check import MODES
-
-                with counter(f"check on {len(val)} held-out successes (teacher modes + spread)",
-                             total=len(MODES) + 1) as tick:
-                    check = run_check(*args, progress=tick)
-            else:
-                check = run_check(*args)
-            # The check scored the final composer on the same held-out examples: its figures are
-            # the last validation row (no second pass over them).
-            own, other = check.nll["learned"]["all"], check.nll["other"]["all"]
-            result["val_nll"] = own
-            last = held[0] if held else {"step": cs.steps}
-            metrics.log({**last, "val_nll": own, "composer/latent_task_spread": check.task_spread,
-                         "composer/nll_gap": other - own})
-        metrics.close()
-
+        # Saved before the check, so a check that fails (e.g. out of memory on a big model) loses no training.
         out = run_dir / COMPOSER_DIR
         emb_fp = embedder_fingerprint(recipe.bank.embedder)
         composer.save(out, emb_fp, extra={"kind": "coldstart", "steps": cs.steps, "val_nll": result["val_nll"],
                                           "n_retrieve": n_ret})
+        check = None
+        try:
+            if checks:
+                from lopd_cli.train.check import run_check
+                from lopd_cli.train.loop import text_reference_chars
+
+                model.eval()
+                args = (model, tokenizer, composer, val, cs.batch_size, recipe.bank.obs_char_budget,
+                        text_reference_chars(recipe), getattr(env, "rule_strings", None))
+                if show_progress:
+                    from lopd_cli.progress import counter
+                    from lopd_cli.train.check import MODES
+
+                    with counter(f"check on {len(val)} held-out successes (teacher modes + spread)",
+                                 total=len(MODES) + 1) as tick:
+                        check = run_check(*args, progress=tick)
+                else:
+                    check = run_check(*args)
+                # The check scored the final composer on the held-out examples: its figures are the
+                # last validation row (no second pass over them).
+                own, other = check.nll["learned"]["all"], check.nll["other"]["all"]
+                result["val_nll"] = own
+                if not held:  # coldstart.steps 0
+                    held.append({"step": cs.steps})
+                held[0].update({"val_nll": own, "composer/latent_task_spread": check.task_spread,
+                                "composer/nll_gap": other - own})
+                manifest = json.loads((out / "manifest.json").read_text())
+                (out / "manifest.json").write_text(json.dumps({**manifest, "val_nll": own}, indent=2))
+        finally:
+            for row in held:
+                metrics.log(row)
+            metrics.close()
         with torch.no_grad():
             tasks = env.tasks("train")[: cs.anchor_cache_tasks]
             cache = build_anchor_cache(composer, retriever, tasks, n_ret, recipe.bank.allow_self_retrieval)
