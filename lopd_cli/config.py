@@ -141,8 +141,15 @@ class TrainSection(Section):
     # The composer pass's cost (issue 20): φ is updated on `composer_batch` of each step's
     # sequences (None: all; a seeded draw per step, the same on every rank) and on every
     # `composer_every`-th step only (the dual step on β goes with it; Δ is measured on every row).
+    # Default 4: on the house-rules demo project every-step updates and every-4th-step updates gave
+    # the same students (validation and test success, two seeds) at 0.4-0.7x the step time
+    # (benchmarks/RESULTS.md, "A LOPD step against TRL's SDFT step").
     composer_batch: int | None = Field(None, ge=1)
-    composer_every: int = Field(1, ge=1)
+    composer_every: int = Field(4, ge=1)
+    # Sequences per chunk of the composer pass (at most micro_batch). That pass holds the
+    # encoder's and the teacher's graphs with gradient at once (2-3x a student chunk's
+    # activations), so its chunk sets the step's peak memory; the gradients are the same sums.
+    composer_micro_batch: int = Field(2, ge=1)
     top_m: int = Field(20, ge=1)
     margin_m: float = 0.05
     # Δ's form: "centred" = sequence mean of 2(r − r̄)·δ (privilege: the teacher beats the student

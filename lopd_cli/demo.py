@@ -34,10 +34,8 @@ from lopd_cli.errors import LopdError
 
 # Sized for a laptop: the recipe's own values except these.
 # coldstart.eval_every 80: no validation pass mid-way; the check after the last step is the figure.
-# train.composer_every 4: φ's update (and the dual step on β) on steps 1, 5 and 9 only; the
-# composer pass was a third of a step and in 12-step runs barely moved φ (RESULTS, "Composer phase").
 DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=80", "coldstart.eval_every=80", "train.steps=12",
-                  "train.save_every=6", "train.composer_every=4"]
+                  "train.save_every=6"]
 BANK_ROLLOUTS = 64
 AGENT_LOGS = 96  # of training tasks; plus one log per validation task (the check's held-out successes)
 DEMO_MARKER = ".lopd-demo"

@@ -12,7 +12,11 @@ FAST = {
     "rollout": {"max_new_tokens": 24, "max_turns": 2, "rollouts_per_step": 4, "batch_size": 4},
     "composer": {"num_queries": 4, "depth": 1, "max_item_tokens": 96},
     "coldstart": {"steps": 2, "batch_size": 4, "eval_every": 2, "val_fraction": 0.1},
-    "train": {"steps": 2, "save_every": 1, "micro_batch": 4, "group_size": 2, "lr": 1e-3, "composer_lr": 1e-3},
+    # composer_every 1: the training tests check φ, its warm-up and β step by step (the default 4 is
+    # covered by test_composer_batch_and_every); composer_micro_batch stays 2 < micro_batch 4, so the
+    # exact-resume and 2-process tests run the chunked composer pass.
+    "train": {"steps": 2, "save_every": 1, "micro_batch": 4, "group_size": 2, "lr": 1e-3, "composer_lr": 1e-3,
+              "composer_every": 1},
 }
 
 

@@ -127,6 +127,25 @@ def test_composer_rows_give_the_gradient_of_those_rows_alone(bench):
     assert abs(o_sub.contrastive - o_alone.contrastive) <= 1e-6
 
 
+def test_composer_micro_batch_chunks_the_composer_pass_and_keeps_the_gradients(bench, monkeypatch):
+    """train.composer_micro_batch: the composer pass runs in chunks of that many rows (its graphs
+    are what bound the step's peak memory) and the losses and gradients stay the same sums."""
+    import lopd_cli.train.distill as distill
+
+    b = bench
+    o_ref, gs_ref, gc_ref = _run(b, b.episodes, b.refs)  # micro_batch 2 for every pass
+    sizes = []
+    th = distill.teacher_hidden
+    monkeypatch.setattr(distill, "teacher_hidden",
+                        lambda m, tb, lat: sizes.append((torch.is_grad_enabled(), lat.shape[0])) or th(m, tb, lat))
+    o_one, gs_one, gc_one = _run(b, b.episodes, b.refs, composer_micro_batch=1)
+    assert sizes == [(True, 1)] * 6, "six composer chunks of one row, each with gradient"
+    for k in ("kl", "composer_kl", "delta", "anchor"):
+        assert abs(getattr(o_one, k) - getattr(o_ref, k)) <= 1e-6, k
+    assert _close(gs_one, gs_ref) and _close(gc_one, gc_ref)
+    assert any(float(g.abs().sum()) > 0 for g in gc_one)
+
+
 def test_rows_per_step_follow_composer_batch_and_every():
     from lopd_cli.agent.types import Episode  # noqa: F401
     from lopd_cli.config import TrainSection

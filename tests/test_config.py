@@ -40,6 +40,8 @@ def test_defaults_are_the_papers(tmp_path):
     # Departures from the paper (issue 16): a centred margin, η_β in units of the default margin
     # (0.5 / 0.05), and only full successes as experience.
     assert (r.train.margin_advantage, r.train.eta_beta, r.bank.min_reward) == ("centred", 10.0, 1.0)
+    # And φ on every 4th step (the paper: every step), the composer pass in chunks of 2 (issue 20).
+    assert (r.train.composer_every, r.train.composer_micro_batch) == (4, 2)
     assert (r.composer.encoder_lora.r, r.composer.encoder_lora.alpha) == (8, 16)
 
 

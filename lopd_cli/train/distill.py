@@ -70,6 +70,7 @@ class DistillSetup:
     # there, against another task's (losses.privilege_weights): distil where the teacher is
     # privileged, not wherever the reference frame merely shifts it. One more no-grad teacher pass.
     privilege_gate: bool = False
+    composer_micro_batch: int | None = None  # composer-pass rows per chunk, at most micro_batch (None: micro_batch)
 
 
 @dataclass
@@ -308,8 +309,9 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         sec["student"] += time.perf_counter() - t0
 
     # Composer rows: teacher with grad → student log-probs (no grad) → composer backward → student.
-    for lo in range(0, len(idx_c), setup.micro_batch):
-        rows = idx_c[lo : lo + setup.micro_batch]
+    cmb = min(setup.composer_micro_batch or setup.micro_batch, setup.micro_batch)
+    for lo in range(0, len(idx_c), cmb):
+        rows = idx_c[lo : lo + cmb]
         eps = [episodes[i] for i in rows]
         mrefs = [list(refs[i]) for i in rows]
         instrs = [ep.task.instruction for ep in eps]

@@ -391,7 +391,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
             contrastive_weight=t.contrastive_weight, contrastive_margin=t.contrastive_margin,
             success_threshold=tr.recipe.eval.success_threshold,
             composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
-            privilege_gate=t.privilege_gate,
+            privilege_gate=t.privilege_gate, composer_micro_batch=t.composer_micro_batch,
         )
         o = distill_update(setup, episodes, refs, tr.state.beta, totals)
         if dist.is_distributed():
