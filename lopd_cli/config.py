@@ -141,9 +141,9 @@ class TrainSection(Section):
     # The composer pass's cost (issue 20): φ is updated on `composer_batch` of each step's
     # sequences (None: all; a seeded draw per step, the same on every rank) and on every
     # `composer_every`-th step only (the dual step on β goes with it; Δ is measured on every row).
-    # Default 4: on the house-rules demo project every-step updates and every-4th-step updates gave
-    # the same students (validation and test success, two seeds) at 0.4-0.7x the step time
-    # (benchmarks/RESULTS.md, "A LOPD step against TRL's SDFT step").
+    # Default 4: on the house-rules demo project φ every step, every 4th step and frozen gave the
+    # same students (validation and test success, two seeds), and every 4th step makes a step
+    # ~0.75x as long (tiny and SmolLM2; benchmarks/RESULTS.md, "A LOPD step against TRL's SDFT step").
     composer_batch: int | None = Field(None, ge=1)
     composer_every: int = Field(4, ge=1)
     # Sequences per chunk of the composer pass (at most micro_batch). That pass holds the
