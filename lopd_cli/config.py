@@ -148,7 +148,8 @@ class TrainSection(Section):
     composer_every: int = Field(4, ge=1)
     # Sequences per chunk of the composer pass (at most micro_batch). That pass holds the
     # encoder's and the teacher's graphs with gradient at once (2-3x a student chunk's
-    # activations), so its chunk sets the step's peak memory; the gradients are the same sums.
+    # activations), so its chunk sets the step's peak memory; the gradients are the same sums,
+    # except the contrastive term's, whose pairs form within a chunk (a warning says so).
     composer_micro_batch: int = Field(2, ge=1)
     top_m: int = Field(20, ge=1)
     margin_m: float = 0.05

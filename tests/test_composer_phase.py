@@ -144,6 +144,20 @@ def test_composer_micro_batch_chunks_the_composer_pass_and_keeps_the_gradients(b
         assert abs(getattr(o_one, k) - getattr(o_ref, k)) <= 1e-6, k
     assert _close(gs_one, gs_ref) and _close(gc_one, gc_ref)
     assert any(float(g.abs().sum()) > 0 for g in gc_one)
+    sizes.clear()
+    _run(b, b.episodes, b.refs, composer_micro_batch=5)
+    assert sizes == [(True, 2)] * 3, "never more rows than micro_batch (2)"
+
+
+def test_a_contrastive_term_with_smaller_composer_chunks_warns():
+    from lopd_cli.config import TrainSection
+    from lopd_cli.train.loop import contrastive_chunk_warning
+
+    assert contrastive_chunk_warning(TrainSection()) is None  # no contrastive term by default
+    assert contrastive_chunk_warning(TrainSection(contrastive_weight=1.0, composer_micro_batch=8)) is None
+    msg = contrastive_chunk_warning(TrainSection(contrastive_weight=1.0, composer_micro_batch=1))
+    assert "composer_micro_batch=1" in msg and "none at 1" in msg and "composer_micro_batch=8" in msg
+    assert contrastive_chunk_warning(TrainSection(algo="opsd", contrastive_weight=1.0)) is None
 
 
 def test_rows_per_step_follow_composer_batch_and_every():

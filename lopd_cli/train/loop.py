@@ -135,8 +135,25 @@ def _student_params(model) -> list[torch.nn.Parameter]:
     return ad.adapter_parameters(model, name)
 
 
+def contrastive_chunk_warning(t) -> str | None:
+    """The one-line warning when the composer pass's chunks are smaller than micro_batch and the
+    contrastive term is on: its pairs form within a chunk, so smaller chunks form fewer pairs."""
+    chunk = min(t.composer_micro_batch, t.micro_batch)
+    if t.algo != "lopd" or t.freeze_composer or t.contrastive_weight <= 0 or chunk >= t.micro_batch:
+        return None
+    return (f"train.contrastive_weight > 0 pairs successes only within a composer chunk of "
+            f"train.composer_micro_batch={chunk} rows" + (" (none at 1)" if chunk == 1 else "")
+            + f"; set composer_micro_batch={t.micro_batch} to pair within micro_batch as before")
+
+
 def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress: bool = True) -> Trainer:
     t = recipe.train
+    if (msg := contrastive_chunk_warning(t)) is not None:
+        import warnings
+
+        from lopd_cli.errors import LopdWarning
+
+        warnings.warn(msg, LopdWarning, stacklevel=2)
     seed_everything(t.seed)
     search = [recipe.base_dir, project.root]
     backbone = str(init_teacher_backbone(project, recipe, run_dir)) if t.teacher == "init" else recipe.model.backbone
