@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lopd_cli.errors import LopdError
 from lopd_cli.models.latent_cache import LatentCache, cache_key
@@ -75,7 +76,7 @@ def test_coldstart_cli_end_to_end(tmp_path):
     project = create_project(tmp_path / "p", example="orders", model="tiny", base_policy=False)
     sets = ["env.kwargs={n_train: 8}", "coldstart.steps=2", "coldstart.batch_size=2", "coldstart.eval_every=1",
             "coldstart.val_fraction=0.25", "composer.num_queries=2", "composer.depth=1", "composer.max_item_tokens=64",
-            "bank.n_retrieve=2"]
+            "bank.n_retrieve=2", "composer.input_norm=standardise"]
     recipe = project.load_recipe("toolcall", sets)
     with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
         bank.add_records(_oracle_records(8), source="oracle")
@@ -98,6 +99,9 @@ def test_coldstart_cli_end_to_end(tmp_path):
     own = summary["check"]["nll"]["learned"]["all"]
     assert rows[-1]["val_nll"] == own == summary["val_nll_after"] == manifest["val_nll"]
     assert rows[-1]["composer/latent_task_spread"] == summary["check"]["task_spread"] and "loss" in rows[-1]
+    # χ's input statistics were measured before training and travel with it (c_φ0 below needs them)
+    assert manifest["input_norm"] == "standardise" and summary["input_norm"]["tokens"] > 0
+    assert not torch.equal(load_file(str(out / "qformer.safetensors"))["input_scale"], torch.ones(128))
     assert "val_nll" in rows[0]  # eval_every 1: step 1 still validates mid-run
     cache = LatentCache.load(out)
     assert len(cache) == 8 and all(t.shape == (4, 128) for t in cache.entries.values())

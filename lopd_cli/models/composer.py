@@ -21,6 +21,14 @@ attention at init, a pooled latent is otherwise mostly template. The default is 
 token, the reference code): on random tiny "content" kept less task spread. Measure it with
 `benchmarks/coldstart_nll.py --set composer.key_tokens=all|content` (task spread, NLL gap).
 
+Input normalisation (`composer.input_norm`): a real LM's last hidden states share one large
+mean direction (SmolLM2-135M: 55 % of a token's squared norm is the mean over bank tokens, one
+dimension at 34 against a median of 0.4), so the mean-pooled states of two different items have
+cosine 0.99 and every latent starts from the same summary. "standardise" subtracts the per-
+dimension mean over the bank's tokens and divides by its standard deviation before χ reads them
+(statistics measured once by `fit_input_norm` before cold start, then fixed buffers saved with
+χ); "centre" only subtracts the mean; "none" reads the states as they are (the reference code).
+
 What it simplifies: the retrieved item's system prompt and tool schemas are left out of its
 rendering (the teacher already sees both in its own prompt, and they would use up the
 max_item_tokens budget); truncation keeps the first max_item_tokens tokens.
@@ -138,12 +146,15 @@ class Resampler(nn.Module):
         self.ff = nn.ModuleList(feed_forward(d, dims.ff_mult) for _ in range(n_blocks))
         self.proj_out = nn.Linear(d, d)
         self.norm_out = nn.LayerNorm(d)
+        # x ↦ (x − input_mean) / input_scale before χ reads it; identity until fit_input_norm.
+        self.register_buffer("input_mean", torch.zeros(d))
+        self.register_buffer("input_scale", torch.ones(d))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (N, L, d), mask: (N, L) with 1 on real tokens → (N, K, d). `key_mask` (N, L): the
         inputs the cross-attention may read (default: every real token); the latents themselves
         are always keys too, so a row with no readable input is still well defined."""
-        x = self.proj_in(x)
+        x = self.proj_in((x - self.input_mean) / self.input_scale)
         keys = mask if key_mask is None else (key_mask.bool() & mask.bool())
         latents = self.queries.unsqueeze(0).expand(x.shape[0], -1, -1)
         for i in range(self.dims.depth):
@@ -249,6 +260,7 @@ class Composer(nn.Module):
         self.tokenizer = tokenizer
         self.max_item_tokens = composer_cfg.max_item_tokens
         self.key_tokens = getattr(composer_cfg, "key_tokens", "all")
+        self.input_norm = getattr(composer_cfg, "input_norm", "none")
         self.obs_char_budget = obs_char_budget
         self.encode_batch_size = encode_batch_size
         self.dims = ResamplerDims.from_backbone(model.config, composer_cfg)
@@ -315,6 +327,32 @@ class Composer(nn.Module):
             ).last_hidden_state
         return hidden, mask
 
+    def fit_input_norm(self, sequences: Sequence[Sequence[int]]) -> dict:
+        """Set χ's input statistics (per-dimension mean and standard deviation of the encoder's
+        states over every real token of `sequences`) as `input_norm` asks; "none" leaves the
+        identity. Returns a summary: tokens read and the share of the states' energy in the mean."""
+        if self.input_norm == "none" or not sequences:
+            return {"input_norm": self.input_norm, "tokens": 0}
+        d = self.dims.dim
+        total = torch.zeros(d, dtype=torch.float64)
+        squares = torch.zeros(d, dtype=torch.float64)
+        count = 0
+        with torch.no_grad():
+            for start in range(0, len(sequences), self.encode_batch_size):
+                hidden, mask = self._encode_chunk(sequences[start : start + self.encode_batch_size])
+                h = hidden[mask.bool()].double().cpu()
+                total += h.sum(0)
+                squares += h.pow(2).sum(0)
+                count += h.shape[0]
+        mean = total / count
+        std = (squares / count - mean.pow(2)).clamp(min=0).sqrt()
+        r = self.resampler
+        r.input_mean.copy_(mean.to(r.input_mean))
+        if self.input_norm == "standardise":  # floor: a near-constant dimension is not blown up
+            r.input_scale.copy_(std.clamp(min=1e-2 * float(std.median()) + 1e-12).to(r.input_scale))
+        mean_share = float(mean.pow(2).sum() / (squares.sum() / count))
+        return {"input_norm": self.input_norm, "tokens": count, "mean_energy_share": mean_share}
+
     def forward(self, items_per_task: Sequence[Sequence[ReferenceItem]], task_instructions: Sequence[str]) -> torch.Tensor:
         """c_φ: (B, n_ret·K, d). Every task must come with the same number of items."""
         if len(items_per_task) != len(task_instructions):
@@ -340,6 +378,7 @@ class Composer(nn.Module):
             "dims": asdict(self.dims),
             "max_item_tokens": self.max_item_tokens,
             "key_tokens": self.key_tokens,
+            "input_norm": self.input_norm,
             "obs_char_budget": self.obs_char_budget,
             "backbone_fingerprint": backbone_fp,
             "embedder_fingerprint": embedder_fp,
@@ -391,6 +430,7 @@ class Composer(nn.Module):
                 "max_item_tokens": manifest.get("max_item_tokens", base.max_item_tokens),
                 # what χ was trained to read; composers saved before the key exists read everything
                 "key_tokens": manifest.get("key_tokens", "all"),
+                "input_norm": manifest.get("input_norm", "none"),
             }
         )
         if frozen:
@@ -399,7 +439,11 @@ class Composer(nn.Module):
         if asdict(composer.dims) != dims:
             raise LopdError(f"{src_dir / MANIFEST}: dims {dims} do not fit this backbone ({asdict(composer.dims)})")
         state = load_file(str(src_dir / QFORMER_FILE), device=str(composer.resampler.queries.device))
-        composer.resampler.load_state_dict(state)
+        # composers saved before input normalisation existed have no statistics: the identity
+        missing, unexpected = composer.resampler.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"input_mean", "input_scale"}:
+            raise LopdError(f"{src_dir / QFORMER_FILE}: does not match χ (missing {sorted(missing)}, "
+                            f"unexpected {sorted(unexpected)})")
         if frozen:
             composer.requires_grad_(False)
         else:

@@ -37,9 +37,19 @@ from lopd_cli.models.latent_cache import LatentCache
 from lopd_cli.train.losses import chunked_token_logprobs
 
 COMPOSER_DIR = "composer"
+INPUT_NORM_ITEMS = 64  # (task, retrieved item) pairs that χ's input statistics are measured on
 
 
 # ------------------------------------------------------------------------------ data
+
+
+def input_norm_sequences(composer: Composer, examples: Sequence[Example], n: int = INPUT_NORM_ITEMS) -> list[list[int]]:
+    """Token ids of up to n (task, retrieved item) pairs, evenly spaced over the training
+    examples: what `Composer.fit_input_norm` measures χ's input statistics on."""
+    if composer.input_norm == "none":
+        return []
+    pairs = [(ex.episode.task.instruction, it) for ex in examples for it in ex.refs]
+    return [composer.item_token_ids(instr, it) for instr, it in evenly_spaced(pairs, n)]
 
 
 def item_episode(tokenizer, item, max_tokens: int | None = None) -> Episode | None:
@@ -559,6 +569,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         max_tokens = recipe.rollout.max_prompt_tokens
         train = make_examples(tokenizer, retriever, train_items, n_ret, max_tokens)
         val = evenly_spaced(make_examples(tokenizer, retriever, val_items, n_ret, max_tokens), cs.val_n)
+        input_norm = composer.fit_input_norm(input_norm_sequences(composer, train))
         reconstructable = None
         if cs.reconstruct_weight > 0:
             reconstructable = add_reference_episodes(tokenizer, train, max_tokens,
@@ -647,7 +658,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
             "teacher": recipe.train.teacher, "backbone": backbone,
             "train_examples": len(train), "val_examples": len(val),
             "val_nll_before": before, "val_nll_after": result["val_nll"],
-            "anchor_cache_entries": len(cache),
+            "anchor_cache_entries": len(cache), "input_norm": input_norm,
             "privileged_token_share": privileged_share,
             "reconstructable_references": reconstructable,
             "check": check.to_dict() if check else None,
