@@ -31,7 +31,10 @@ def test_standardise_gives_chi_zero_mean_unit_scale_inputs(setup):  # noqa: F811
     composer = _composer(setup, "standardise")
     seqs = [composer.item_token_ids(f"Where is order {i}?", it) for i, it in enumerate(items(6))]
     raw = _states(composer, seqs)
-    summary = composer.fit_input_norm(seqs)
+    ticks: list[int] = []
+    composer.encode_batch_size = 4
+    summary = composer.fit_input_norm(seqs, progress=ticks.append)
+    assert ticks == [4, 2]  # one call per chunk of sequences
     assert summary["tokens"] == raw.shape[0] and 0.0 < summary["mean_energy_share"] < 1.0
     r = composer.resampler
     seen = (raw - r.input_mean) / r.input_scale

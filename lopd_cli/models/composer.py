@@ -40,7 +40,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -327,10 +327,11 @@ class Composer(nn.Module):
             ).last_hidden_state
         return hidden, mask
 
-    def fit_input_norm(self, sequences: Sequence[Sequence[int]]) -> dict:
+    def fit_input_norm(self, sequences: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None) -> dict:
         """Set χ's input statistics (per-dimension mean and standard deviation of the encoder's
         states over every real token of `sequences`) as `input_norm` asks; "none" leaves the
-        identity. Returns a summary: tokens read and the share of the states' energy in the mean."""
+        identity. `progress(k)` after each chunk of k sequences. Returns a summary: tokens read
+        and the share of the states' energy in the mean."""
         if self.input_norm == "none" or not sequences:
             return {"input_norm": self.input_norm, "tokens": 0}
         d = self.dims.dim
@@ -344,6 +345,8 @@ class Composer(nn.Module):
                 total += h.sum(0)
                 squares += h.pow(2).sum(0)
                 count += h.shape[0]
+                if progress is not None:
+                    progress(len(sequences[start : start + self.encode_batch_size]))
         mean = total / count
         std = (squares / count - mean.pow(2)).clamp(min=0).sqrt()
         r = self.resampler

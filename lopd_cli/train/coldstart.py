@@ -569,7 +569,14 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         max_tokens = recipe.rollout.max_prompt_tokens
         train = make_examples(tokenizer, retriever, train_items, n_ret, max_tokens)
         val = evenly_spaced(make_examples(tokenizer, retriever, val_items, n_ret, max_tokens), cs.val_n)
-        input_norm = composer.fit_input_norm(input_norm_sequences(composer, train))
+        norm_seqs = input_norm_sequences(composer, train)
+        if norm_seqs and show_progress:  # a minute on a real model on a CPU
+            from lopd_cli.progress import counter
+
+            with counter(f"χ's input statistics ({len(norm_seqs)} references)", total=len(norm_seqs)) as tick:
+                input_norm = composer.fit_input_norm(norm_seqs, progress=tick)
+        else:
+            input_norm = composer.fit_input_norm(norm_seqs)
         reconstructable = None
         if cs.reconstruct_weight > 0:
             reconstructable = add_reference_episodes(tokenizer, train, max_tokens,
