@@ -4,7 +4,7 @@ composer's latent task spread with its inputs raw, centred or standardised (`com
 Run from a project whose bank holds successes (e.g. the demo's, or `lopd init DIR --example orders
 --model smollm2-135m-instruct` plus the demo's logs):
 
-    python benchmarks/encoder_states.py [RECIPE]          # default recipe: toolcall
+    cd PROJECT && python LOPD_REPO/benchmarks/encoder_states.py [RECIPE]   # default recipe: toolcall
 
 It prints the share of a token's squared norm that is the mean over bank tokens, the cosine of two
 different items' mean-pooled states (raw, centred, standardised) and the three spreads, on 16
@@ -12,7 +12,9 @@ training and 16 held-out examples. What it simplifies: the encoder LoRA is at it
 model's states), as at the start of cold start. Figures: benchmarks/RESULTS.md, "Why SmolLM2's
 latents carry no task".
 """
-import sys, json, torch
+import sys
+
+import torch
 from pathlib import Path
 from lopd_cli.project import open_project
 from lopd_cli.bank.retrieve import Retriever
@@ -21,7 +23,7 @@ from lopd_cli.models.backbone import load_backbone
 from lopd_cli.models.composer import Composer
 from lopd_cli.plugins import load_env_class
 from lopd_cli.runtime import seed_everything
-from lopd_cli.train.coldstart import holdout_split, make_examples, evenly_spaced, latent_task_spread, task_key
+from lopd_cli.train.coldstart import evenly_spaced, holdout_split, input_norm_sequences, latent_task_spread, make_examples
 
 recipe_name = sys.argv[1] if len(sys.argv) > 1 else "toolcall"
 torch.set_flush_denormal(True)
@@ -66,13 +68,11 @@ print("pooled item cosine (val items) raw %.4f  centred %.4f  standardised %.4f"
 tokcos = cos_offdiag(torch.cat(hs_val)[torch.randperm(sum(h.shape[0] for h in hs_val))[:500]])
 print("random token-pair cosine raw %.4f" % tokcos)
 
-orig = composer.resampler.forward
-def variant(kind):
-    def fwd(x, mask, key_mask=None):
-        if kind == "centred": x = x - mu.to(x.dtype)
-        if kind == "standardised": x = (x - mu.to(x.dtype)) / sd.to(x.dtype).clamp(min=1e-3)
-        return orig(x, mask, key_mask)
-    return fwd
-for kind in ["raw", "centred", "standardised"]:
-    composer.resampler.forward = variant(kind)
-    print(f"init latent task spread, {kind}: {latent_task_spread(composer, val, 8):.4%}")
+# A fresh composer (the same χ init) with each `composer.input_norm`, its statistics measured as
+# `lopd coldstart` measures them (input_norm_sequences over all the training examples).
+all_train = make_examples(tok, retriever, tr_items, recipe.bank.n_retrieve, recipe.rollout.max_prompt_tokens)
+for kind in ["none", "centre", "standardise"]:
+    seed_everything(0)
+    fresh = Composer(model, tok, recipe.composer.model_copy(update={"input_norm": kind}), recipe.bank.obs_char_budget)
+    fresh.fit_input_norm(input_norm_sequences(fresh, all_train))
+    print(f"init latent task spread, input_norm {kind}: {latent_task_spread(fresh, val, 8):.2%}")
