@@ -60,6 +60,19 @@ def test_unterminated_call_is_reported():
     assert len(calls) == 1 and "unterminated" in calls[0].error
 
 
+def test_unclosed_call_whose_rest_is_json_is_read_as_vllm_hermes_does():
+    # The turn ended where </tool_call> belonged: a call (object or SmolLM2's list), checked as usual.
+    visible, calls = parse_tool_calls('ok <tool_call>\n{"name": "get_order", "arguments": {"order_id": 4}}\n', TOOLS)
+    assert visible == "ok" and [(c.name, c.arguments, c.error) for c in calls] == [("get_order", {"order_id": 4}, None)]
+    _, calls = parse_tool_calls('<tool_call>[\n{"name": "get_order", "arguments": {"order_id": 4}}, '
+                                '{"name": "get_order", "arguments": {}}\n]', TOOLS, id_offset=2)
+    assert [c.id for c in calls] == ["call_2", "call_3"]
+    assert calls[0].error is None and "missing required argument(s) order_id" in calls[1].error
+    # Prose after the JSON is not a call: still unterminated.
+    _, calls = parse_tool_calls('<tool_call>{"name": "get_order", "arguments": {"order_id": 4}} then I wait', TOOLS)
+    assert len(calls) == 1 and "unterminated" in calls[0].error
+
+
 def test_wrong_shape_unknown_tool_and_bad_arguments():
     cases = {
         '<tool_call>["get_order"]</tool_call>': '{"name"',

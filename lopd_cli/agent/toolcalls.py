@@ -2,7 +2,7 @@
 or a JSON list of such objects inside one block (SmolLM2's format, `agent/chat_profiles.py`).
 
 `parse_tool_calls` turns a model turn into (visible text, calls). It never raises: malformed
-JSON, an unclosed tag, an unknown tool or arguments that do not fit the tool's JSON schema
+JSON, an unclosed tag (unless all that follows it is JSON: vLLM's Hermes reading), an unknown tool or arguments that do not fit the tool's JSON schema
 become a `ToolCall` whose `error` the runner shows to the model as the observation.
 Argument checking covers what tool schemas usually say (required keys, unknown keys, JSON
 types, enums); it is not a full JSON-Schema validator.
@@ -120,15 +120,31 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None, id_offset: int 
     for m in _BLOCK.finditer(text):
         calls.extend(_parse_block(m.group(1), id_offset + len(calls), schemas))
     visible = _BLOCK.sub("", text)
-    # An opened but never closed call (e.g. cut off by max_new_tokens).
+    # An opened but never closed call. When everything after the tag is one JSON value (the model
+    # ended its turn where `</tool_call>` belonged) it is read as a block, as vLLM's Hermes parser
+    # does (`<tool_call>(.*?)</tool_call>|<tool_call>(.*)`), so training, `lopd eval` and a vLLM
+    # deployment agree on what counts as a call; anything else (cut off by max_new_tokens, prose
+    # after the JSON) is an error.
     dangling = visible.find(OPEN)
     if dangling >= 0:
-        calls.append(
-            ToolCall(name="", arguments={}, id=f"call_{id_offset + len(calls)}",
-                     error="unterminated <tool_call> (missing </tool_call>)")
-        )
+        rest = visible[dangling + len(OPEN):]
+        if _is_json(rest):
+            calls.extend(_parse_block(rest, id_offset + len(calls), schemas))
+        else:
+            calls.append(
+                ToolCall(name="", arguments={}, id=f"call_{id_offset + len(calls)}",
+                         error="unterminated <tool_call> (missing </tool_call>)")
+            )
         visible = visible[:dangling]
     return visible.strip(), calls
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text.strip())
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def render_tool_call(name: str, arguments: dict[str, Any] | str) -> str:
