@@ -112,6 +112,9 @@ def find_recipe(name: str, project: Project | None) -> Path:
             return c.resolve()
     known = sorted(p.stem for p in project.recipes_dir.glob("*.yaml")) if project else []
     hint = f" (project recipes: {', '.join(known)})" if known else ""
+    shipped = packaged_recipes() / f"{Path(name).stem}.yaml"
+    if shipped.is_file():  # recipes are the project's editable copies, so say how to get one
+        hint += f"; lopd ships it: cp {shipped} {project.recipes_dir if project else '.'}/"
     raise LopdError(f"recipe '{name}' not found{hint}")
 
 

@@ -82,3 +82,6 @@ def test_project_found_upward(lopd, tmp_path):
     assert json.loads(r.out)["env"]["class"] == "lopd_cli.envs.orders:OrdersEnv"
     r = lopd("recipe", "check", "nope", cwd=deep)
     assert r.code == 1 and "recipe 'nope' not found" in r.err and "toolcall" in r.err
+    assert "lopd ships it" not in r.err
+    r = lopd("recipe", "check", "bfcl-smollm2-sft", cwd=deep)  # shipped, not copied into the project
+    assert r.code == 1 and "lopd ships it: cp " in r.err and "bfcl-smollm2-sft.yaml" in r.err
