@@ -33,6 +33,10 @@ metrics for all runs (`<out>/sample_efficiency_report.png`).
     .venv/bin/python benchmarks/sample_efficiency.py            # full study
     .venv/bin/python benchmarks/sample_efficiency.py --quick    # minutes: 1 seed, tiny budget
 
+`--method-budget METHOD=B` gives one method a smaller budget (the ablations, when time is short);
+its checkpoints keep the main runs' spacing, so its points sit at the same rollout counts as
+theirs and compare at equal budget.
+
 On several cores, run one process per seed (each with its own `--work` and `--out`) and then
 aggregate their JSON files into one table, plot and report:
 
@@ -177,7 +181,8 @@ def aggregate(data: dict[str, Any]) -> None:
         mean, hw = t_interval(finals)
         methods[m] = {"final_success_mean": mean, "final_success_ci95": hw, "seeds": [r["seed"] for r in runs],
                       "final_success_per_seed": finals,
-                      "final_rollouts": [r["curve"][-1]["rollouts"] for r in runs]}
+                      "final_rollouts": [r["curve"][-1]["rollouts"] for r in runs],
+                      "curve": mean_curve(runs)}
     data["methods"] = methods
     data["lopd_fraction_of_budget_to_grpo_final"] = None
     data["budget_fraction_to_grpo_final"] = None
@@ -185,7 +190,8 @@ def aggregate(data: dict[str, Any]) -> None:
         target = methods["grpo"]["final_success_mean"]
         data["budget_fraction_to_grpo_final"] = {"target_grpo_final_success": target, "methods": {}}
         for m, runs in by_method.items():
-            fr = [crossing_budget([(p["rollouts"], p["success"]) for p in r["curve"]], target) for r in runs]
+            fr = [crossing_budget([(p["rollouts"], p["success"]) for p in last_at_each_budget(r["curve"])], target)
+                  for r in runs]
             fr = [x / data["budget"] if x is not None else None for x in fr]
             got = [f for f in fr if f is not None]
             data["budget_fraction_to_grpo_final"]["methods"][m] = {
@@ -195,7 +201,7 @@ def aggregate(data: dict[str, Any]) -> None:
         target = methods["grpo"]["final_success_mean"]
         fracs, reached = [], []
         for r in by_method["lopd"]:
-            x = crossing_budget([(p["rollouts"], p["success"]) for p in r["curve"]], target)
+            x = crossing_budget([(p["rollouts"], p["success"]) for p in last_at_each_budget(r["curve"])], target)
             reached.append(x is not None)
             fracs.append(x / data["budget"] if x is not None else None)
         got = [f for f in fracs if f is not None]
@@ -209,6 +215,27 @@ def aggregate(data: dict[str, Any]) -> None:
         }
 
 
+def last_at_each_budget(curve: list[dict]) -> list[dict]:
+    """A run's points, one per rollout count: the latest step's. SFT spends no rollout, so all
+    its checkpoints sit at the bank's count and its point there is its final student."""
+    by_x: dict[int, dict] = {}
+    for p in curve:
+        by_x[p["rollouts"]] = p
+    return [by_x[x] for x in sorted(by_x)]
+
+
+def mean_curve(runs: list[dict]) -> list[dict[str, Any]]:
+    """Per rollout count: success mean and 95 % t half-width over the seeds evaluated there."""
+    curves = [last_at_each_budget(r["curve"]) for r in runs]
+    xs = sorted({p["rollouts"] for c in curves for p in c})
+    out = []
+    for x in xs:
+        vals = [p["success"] for c in curves for p in c if p["rollouts"] == x]
+        mean, hw = t_interval(vals)
+        out.append({"rollouts": x, "success_mean": mean, "success_ci95": hw, "seeds": len(vals)})
+    return out
+
+
 def plot(data: dict[str, Any], path: Path) -> None:
     """Success vs rollouts, mean and 95 % interval over seeds, per method."""
     import matplotlib
@@ -217,23 +244,23 @@ def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from lopd_cli.evaluate import mean_interval
-
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     by_method: dict[str, list[dict]] = {}
     for r in data["runs"]:
         by_method.setdefault(r["method"], []).append(r)
+    right = max((p["rollouts"] for r in data["runs"] for p in r["curve"]), default=1)
     for m, runs in by_method.items():
-        xs = sorted({p["rollouts"] for r in runs for p in r["curve"]})
-        mean, lo, hi = [], [], []
-        for x in xs:
-            vals = [p["success"] for r in runs for p in r["curve"] if p["rollouts"] == x]
-            iv = mean_interval(vals)
-            hw = iv.half_width or 0.0
-            mean.append(iv.estimate)
-            lo.append(iv.estimate - hw)
-            hi.append(iv.estimate + hw)
-        line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{m} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        pts = mean_curve(runs)
+        xs = [p["rollouts"] for p in pts]
+        mean = [p["success_mean"] for p in pts]
+        hw = [p["success_ci95"] or 0.0 for p in pts]
+        style = {}
+        if len(pts) == 1:  # spends no rollout after the bank (SFT): its level, drawn across
+            xs, mean, hw, style = [xs[0], right], mean * 2, hw * 2, {"ls": "--"}
+        lo = [a - b for a, b in zip(mean, hw)]
+        hi = [a + b for a, b in zip(mean, hw)]
+        line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{m} ({len(runs)} seed{'s' if len(runs) > 1 else ''})",
+                        **style)
         ax.fill_between(xs, np.clip(lo, 0, 1), np.clip(hi, 0, 1), color=line.get_color(), alpha=0.15)
     top = max((p["success"] for r in data["runs"] for p in r["curve"]), default=0.0)
     ax.set_ylim(0, min(1.0, max(0.25, top + 0.1)))  # from 0, so small differences look small
@@ -290,11 +317,14 @@ class Study:
                 f"coldstart.steps={a.coldstart_steps}"] + METHODS.get(method, []) + list(a.set) + list(extra)
         return project.load_recipe("toolcall", sets)
 
+    def budget_for(self, method: str) -> int:
+        return self.args.method_budget.get(method, self.args.budget)
+
     def steps_for(self, method: str) -> int:
         if method == "sft":
             return self.args.sft_steps
         prior = self.args.bank if method in USES_BANK else 0
-        return max(1, (self.args.budget - prior) // self.args.rollouts_per_step)
+        return max(1, (self.budget_for(method) - prior) // self.args.rollouts_per_step)
 
     # ------------------------------------------------------------------ stages
     def run(self) -> dict[str, Any]:
@@ -352,14 +382,17 @@ class Study:
         if any(m in USES_BANK for m in a.methods):
             t0 = time.perf_counter()
             rec = self.recipe(project, "lopd", seed)
+            logged = {"added": 0, "successes": 0}
             if a.team_logs:
-                self.data.setdefault("team_logs", {})[str(seed)] = import_team_logs(project, rec, a.team_logs, seed)
+                logged = import_team_logs(project, rec, a.team_logs, seed)
+                self.data.setdefault("team_logs", {})[str(seed)] = logged
             filled = fill_bank(project, rec, a.bank, seed)
-            self.say(f"seed {seed}: bank {filled} ({time.perf_counter() - t0:.0f} s)")
+            self.say(f"seed {seed}: bank {filled}, team logs {logged} ({time.perf_counter() - t0:.0f} s)")
             self.data.setdefault("bank", {})[str(seed)] = filled
-            if filled["successes"] < rec.bank.n_retrieve + 1:
+            successes = filled["successes"] + logged["successes"]
+            if successes < rec.bank.n_retrieve + 1:
                 # Nothing to retrieve: the bank methods cannot run on this seed (recorded, not hidden).
-                self.say(f"seed {seed}: only {filled['successes']} successful bank rollouts; bank methods skipped")
+                self.say(f"seed {seed}: only {successes} successful bank rollouts; bank methods skipped")
                 self.seed_projects[seed] = (project, None, False)
                 return self.seed_projects[seed]
             if any(m in USES_COMPOSER for m in a.methods):
@@ -376,7 +409,11 @@ class Study:
 
         a = self.args
         steps = self.steps_for(method)
-        every = max(1, math.ceil(steps / a.points))
+        # A method with a smaller budget keeps the main budget's checkpoint spacing, so its points
+        # line up with the other curves' (equal-rollout comparisons).
+        every = max(1, math.ceil(self.steps_for("lopd" if method in USES_BANK else "grpo") / a.points))
+        if method == "sft":
+            every = max(1, math.ceil(steps / a.points))
         extra = [f"train.steps={steps}", f"train.save_every={every}"]
         if composer_dir is not None and method in USES_COMPOSER:
             extra.append(f"train.composer_from={composer_dir}")
@@ -404,7 +441,8 @@ class Study:
         self.say(f"seed {seed} {method}: {steps} steps, {tr.state.rollouts_total} rollouts, train {t_train:.0f} s, "
                  f"eval {time.perf_counter() - t0:.0f} s; {a.split} success "
                  + " ".join(f"{p['rollouts']}:{p['success']:.3f}" for p in curve))
-        self.data["runs"].append({"method": method, "seed": seed, "steps": steps, "run_dir": str(run_dir),
+        self.data["runs"].append({"method": method, "seed": seed, "steps": steps, "budget": self.budget_for(method),
+                                  "run_dir": str(run_dir),
                                   "train_seconds": t_train, "curve": curve})
         self.finish()
 
@@ -444,6 +482,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-steps", type=int, default=12, help="SFT steps (sft, and the start of sft_lopd)")
     p.add_argument("--team-logs", type=int, default=0,
                    help="import the scripted agent's logs of this many training tasks (+ validation) per seed")
+    p.add_argument("--method-budget", action="append", default=[], metavar="METHOD=B",
+                   help="a smaller budget for one method (e.g. the ablations), checkpoints spaced as the main runs'")
     p.add_argument("--set", action="append", default=[], help="extra recipe override KEY=VALUE (repeatable)")
     p.add_argument("--work", default="/tmp/lopd_sample_efficiency")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -459,6 +499,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "bank.min_reward=0.0", "bank.n_retrieve=1"] + a.set
     if a.bank >= a.budget:
         p.error("--bank must be below --budget")
+    budgets = {}
+    for item in a.method_budget:
+        name, _, value = item.partition("=")
+        if name not in METHODS or not value.isdigit() or not a.bank < int(value) <= a.budget:
+            p.error(f"--method-budget {item!r}: want METHOD=B with METHOD one of {', '.join(METHODS)} "
+                    f"and {a.bank} < B <= {a.budget}")
+        budgets[name] = int(value)
+    a.method_budget = budgets
     return a
 
 

@@ -59,7 +59,8 @@ def test_sample_efficiency_quick(tmp_path):
     # start); opsd, lopd_margin0 and lopd_frozen are recipe overrides of the same paths (kept out
     # for the suite's time; the full study runs them).
     methods = ["lopd", "grpo", "sft", "sft_lopd"]
-    data = se.main(["--quick", "--work", str(tmp_path / "work"), "--out", str(out), "--methods", *methods])
+    data = se.main(["--quick", "--work", str(tmp_path / "work"), "--out", str(out), "--methods", *methods,
+                    "--method-budget", "sft_lopd=16"])
 
     saved = json.loads((out / "sample_efficiency.json").read_text())
     assert saved["partial"] is False and saved == json.loads(json.dumps(data))
@@ -78,6 +79,12 @@ def test_sample_efficiency_quick(tmp_path):
         assert curve[0]["rollouts"] == prior
         assert curve[-1]["rollouts"] == prior + spent <= B
         assert all(0.0 <= p["success"] <= 1.0 for p in curve)
+    # --method-budget: sft_lopd stops at its own, smaller budget (the quick bank is 8, R is 4)
+    assert runs["sft_lopd"]["budget"] == 16 and runs["sft_lopd"]["steps"] == (16 - bank) // R
+    assert runs["lopd"]["budget"] == B and runs["lopd"]["steps"] == (B - bank) // R
+    lopd_curve = saved["methods"]["lopd"]["curve"]
+    assert [p["rollouts"] for p in lopd_curve] == [p["rollouts"] for p in runs["lopd"]["curve"]]
+    assert lopd_curve[-1]["success_mean"] == runs["lopd"]["curve"][-1]["success"] and lopd_curve[-1]["seeds"] == 1
     # SFT -> LOPD starts where SFT ended
     assert runs["sft_lopd"]["curve"][0]["success"] == runs["sft"]["curve"][-1]["success"]
     assert saved["team_logs"]["0"]["successes"] > 0
