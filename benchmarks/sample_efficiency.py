@@ -188,11 +188,14 @@ def aggregate(data: dict[str, Any]) -> None:
     data["budget_fraction_to_grpo_final"] = None
     if "grpo" in methods:
         target = methods["grpo"]["final_success_mean"]
-        data["budget_fraction_to_grpo_final"] = {"target_grpo_final_success": target, "methods": {}}
+        # "with under 30 % of GRPO's rollouts": fractions are of the rollouts GRPO's final cost
+        grpo_budget = sum(methods["grpo"]["final_rollouts"]) / len(methods["grpo"]["final_rollouts"])
+        data["budget_fraction_to_grpo_final"] = {"target_grpo_final_success": target, "grpo_rollouts": grpo_budget,
+                                                 "methods": {}}
         for m, runs in by_method.items():
             fr = [crossing_budget([(p["rollouts"], p["success"]) for p in last_at_each_budget(r["curve"])], target)
                   for r in runs]
-            fr = [x / data["budget"] if x is not None else None for x in fr]
+            fr = [x / grpo_budget if x is not None else None for x in fr]
             got = [f for f in fr if f is not None]
             data["budget_fraction_to_grpo_final"]["methods"][m] = {
                 "per_seed": fr, "seeds_reaching": len(got), "seeds": len(fr),
@@ -203,7 +206,7 @@ def aggregate(data: dict[str, Any]) -> None:
         for r in by_method["lopd"]:
             x = crossing_budget([(p["rollouts"], p["success"]) for p in last_at_each_budget(r["curve"])], target)
             reached.append(x is not None)
-            fracs.append(x / data["budget"] if x is not None else None)
+            fracs.append(x / grpo_budget if x is not None else None)
         got = [f for f in fracs if f is not None]
         mean, hw = t_interval(got)
         data["lopd_fraction_of_budget_to_grpo_final"] = {
@@ -211,7 +214,7 @@ def aggregate(data: dict[str, Any]) -> None:
             "seeds": len(fracs), "mean_over_reaching_seeds": mean, "ci95": hw,
             "min": min(got) if got else None, "max": max(got) if got else None,
             "note": "per seed: first rollout count (linear between checkpoints) at which LOPD's test success "
-                    "reaches GRPO's mean final test success, divided by B; None = not reached within B",
+                    "reaches GRPO's mean final test success, divided by GRPO's rollouts; None = not reached",
         }
 
 
@@ -511,18 +514,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def merge(paths: list[Path], out: Path, report: bool = True) -> dict[str, Any]:
-    """One study from several runs of this script (e.g. one process per seed). They must share
-    the design (budget, bank, rollouts per step, split, eval size); runs are concatenated."""
+    """One study from several runs of this script (e.g. one process per seed, or a longer run of
+    one method). They must share the design (bank, rollouts per step, split, eval size); budgets
+    may differ (each run keeps its own). Runs are concatenated, except that a later file's run
+    of the same method and seed replaces an earlier file's (e.g. GRPO rerun to a larger budget)."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
-    design = ("budget", "bank_rollouts", "rollouts_per_step", "eval_split", "eval_n")
+    design = ("bank_rollouts", "rollouts_per_step", "eval_split", "eval_n")
     for p, d in zip(paths[1:], parts[1:]):
         for k in design:
             if d.get(k) != parts[0].get(k):
                 raise SystemExit(f"{p}: {k} = {d.get(k)!r} differs from {paths[0]}'s {parts[0].get(k)!r}")
     data = dict(parts[0])
-    data["runs"] = [r for d in parts for r in d["runs"]]
+    runs: dict[tuple[str, int], dict] = {}
+    replaced = []
+    for p, d in zip(paths, parts):
+        for r in d["runs"]:
+            r = {"budget": d["budget"], **r}
+            key = (r["method"], r["seed"])
+            if key in runs:
+                replaced.append(f"{key[0]} seed {key[1]}: {runs[key]['budget']} by {r['budget']} rollouts ({p})")
+            runs[key] = r
+    data["runs"] = list(runs.values())
+    data["replaced_runs"] = replaced
+    data["budget"] = max(d["budget"] for d in parts)
     data["partial"] = any(d.get("partial", True) for d in parts)
     data["bank"] = {k: v for d in parts for k, v in d.get("bank", {}).items()}
+    data["team_logs"] = {k: v for d in parts for k, v in d.get("team_logs", {}).items()}
     data["skipped"] = [x for d in parts for x in d.get("skipped", [])]
     data["command"] = " && ".join(d["command"] for d in parts)
     data["merged_from"] = [str(p) for p in paths]

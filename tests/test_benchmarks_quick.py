@@ -157,8 +157,27 @@ def test_sample_efficiency_merges_per_seed_processes(tmp_path):
     assert set(saved["bank"]) == {"0", "1"} and saved == json.loads(json.dumps(data))
     assert (out / "sample_efficiency.png").stat().st_size > 0
 
-    c = _study_file(tmp_path / "s2", 2, 0.1, 0.1, budget=128)
-    with pytest.raises(SystemExit, match="budget"):
+    # a longer GRPO run of seed 0 (another file, larger budget) replaces the first one, and the
+    # fractions are of GRPO's rollouts
+    longer = _study_file(tmp_path / "g0", 0, lopd_final=0.0, grpo_final=0.4, budget=192)
+    d = json.loads(longer.read_text())
+    d["runs"] = [r for r in d["runs"] if r["method"] == "grpo"]
+    d["runs"][0]["curve"][-1]["rollouts"] = 192
+    longer.write_text(json.dumps(d))
+    data = se.main(["--merge", str(a), str(b), str(longer), "--out", str(tmp_path / "m2"), "--no-report"])
+    grpo = {r["seed"]: r for r in data["runs"] if r["method"] == "grpo"}
+    assert len(data["runs"]) == 4 and grpo[0]["budget"] == 192 and grpo[0]["curve"][-1]["rollouts"] == 192
+    assert data["budget"] == 192 and len(data["replaced_runs"]) == 1
+    frac = data["lopd_fraction_of_budget_to_grpo_final"]
+    assert frac["target_grpo_final_success"] == pytest.approx(0.4)  # (0.4 + 0.4) / 2
+    # seed 0's LOPD crosses 0.4 three quarters up 32 -> 96; GRPO's finals cost (192 + 96) / 2 rollouts
+    assert frac["per_seed"] == pytest.approx([80 / 144, None])
+
+    c = _study_file(tmp_path / "s2", 2, 0.1, 0.1)
+    d = json.loads(c.read_text())
+    d["eval_n"] = 16
+    c.write_text(json.dumps(d))
+    with pytest.raises(SystemExit, match="eval_n"):
         se.main(["--merge", str(a), str(c), "--out", str(tmp_path / "bad"), "--no-report"])
 
 
