@@ -219,23 +219,25 @@ def aggregate(data: dict[str, Any]) -> None:
 
 
 def last_at_each_budget(curve: list[dict]) -> list[dict]:
-    """A run's points, one per rollout count: the latest step's. SFT spends no rollout, so all
-    its checkpoints sit at the bank's count and its point there is its final student."""
-    by_x: dict[int, dict] = {}
-    for p in curve:
-        by_x[p["rollouts"]] = p
-    return [by_x[x] for x in sorted(by_x)]
+    """A run's points without those a later point reached with no more rollouts. SFT spends no
+    rollout, so its checkpoints all sit at the bank's count and only its final student stays."""
+    kept: list[dict] = []
+    for p in reversed(curve):
+        if not kept or p["rollouts"] < kept[-1]["rollouts"]:
+            kept.append(p)
+    return kept[::-1]
 
 
 def mean_curve(runs: list[dict]) -> list[dict[str, Any]]:
-    """Per rollout count: success mean and 95 % t half-width over the seeds evaluated there."""
+    """Per checkpoint step: success mean and 95 % t half-width over the seeds evaluated there, at
+    the seeds' mean rollout count (a seed whose bank lost a duplicate rollout is one behind)."""
     curves = [last_at_each_budget(r["curve"]) for r in runs]
-    xs = sorted({p["rollouts"] for c in curves for p in c})
     out = []
-    for x in xs:
-        vals = [p["success"] for c in curves for p in c if p["rollouts"] == x]
-        mean, hw = t_interval(vals)
-        out.append({"rollouts": x, "success_mean": mean, "success_ci95": hw, "seeds": len(vals)})
+    for step in sorted({p["step"] for c in curves for p in c}):
+        pts = [p for c in curves for p in c if p["step"] == step]
+        mean, hw = t_interval([p["success"] for p in pts])
+        out.append({"step": step, "rollouts": round(sum(p["rollouts"] for p in pts) / len(pts)),
+                    "success_mean": mean, "success_ci95": hw, "seeds": len(pts)})
     return out
 
 
@@ -431,7 +433,8 @@ class Study:
         t0 = time.perf_counter()
         tr = train(project, rec, run_dir)
         t_train = time.perf_counter() - t0
-        prior = a.bank if method in USES_BANK else 0
+        # the bank's rollouts as added (a duplicate is dropped, so it can be one short of --bank)
+        prior = self.data["bank"][str(seed)]["added"] if method in USES_BANK else 0
         curve = [{"rollouts": prior, "step": 0, **start}]
         t0 = time.perf_counter()
         for ck in checkpoint_dirs(run_dir):

@@ -71,7 +71,7 @@ def test_sample_efficiency_quick(tmp_path):
     runs = {r["method"]: r for r in saved["runs"]}
     assert len(runs) == len(saved["runs"])  # sft ran once, though sft_lopd needs it too
     for run in saved["runs"]:
-        prior = bank if run["method"] in se.USES_BANK else 0
+        prior = saved["bank"]["0"]["added"] if run["method"] in se.USES_BANK else 0
         curve = run["curve"]
         # every rollout counted: the bank methods' curves start after bank filling, and the
         # trainer's own counter ends at prior + steps × R, never past B; SFT spends none
