@@ -45,16 +45,17 @@ def fmt_duration(seconds: float) -> str:
 
 
 def status_line(description: str, completed: float, total: float | None, elapsed: float, info: str = "",
-                done: bool = False) -> str:
+                done: bool = False, since: float = 0.0) -> str:
     """One progress line: `rollouts 12/64 (19%) 0.52/s ETA 1m40s 23s elapsed  info`, or with
-    `done` the closing one: `rollouts 64/64 (100%) 0.52/s done in 2m03s  info`."""
-    rate = completed / elapsed if elapsed > 0 else 0.0
+    `done` the closing one: `rollouts 64/64 (100%) 0.52/s done in 2m03s  info`. The rate counts
+    what was done after `since` (a resumed run's earlier steps took no time here)."""
+    rate = (completed - since) / elapsed if elapsed > 0 else 0.0
     parts = [description]
     if total:
         parts.append(f"{completed:g}/{total:g} ({100 * completed / total:.0f}%)")
     elif completed:
         parts.append(f"{completed:g} done")
-    if completed:
+    if completed > since:
         parts.append(f"{rate:.3g}/s" if rate >= 0.1 else f"{1 / rate:.3g}s each" if rate > 0 else "")
     if total and rate > 0 and completed < total and not done:
         parts.append(f"ETA {fmt_duration((total - completed) / rate)}")
@@ -76,6 +77,7 @@ class _LogTask:
     total: float | None
     info: str = ""
     completed: float = 0.0
+    since: float = 0.0  # completed when timing (re)started: the rate counts only what came after
     start: float = field(default_factory=time.monotonic)
     printed: bool = False
     finished: bool = False
@@ -130,6 +132,13 @@ class LogProgress:
     def advance(self, task_id: int, advance: float = 1) -> None:
         self.update(task_id, advance=advance)
 
+    def reset(self, task_id: int, *, completed: float = 0.0, **_: Any) -> None:
+        """Restart the clock at `completed` (rich's `Progress.reset`), e.g. when a run resumes."""
+        with _LOCK:
+            t = self.tasks[task_id]
+            t.completed = t.since = completed
+            t.start = time.monotonic()
+
     def wrap_file(self, file: Any, task_id: int, **_: Any) -> "_CountingReader":
         return _CountingReader(file, lambda n: self.advance(task_id, n))
 
@@ -143,7 +152,7 @@ class LogProgress:
         t.finished = True
         if t.printed:  # a closing line only for a task that lasted long enough to report
             elapsed = time.monotonic() - t.start
-            _emit(status_line(t.description, t.completed, t.total, elapsed, t.info, done=True))
+            _emit(status_line(t.description, t.completed, t.total, elapsed, t.info, done=True, since=t.since))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every):
@@ -152,7 +161,7 @@ class LogProgress:
                 for t in self.tasks.values():
                     if not t.finished:
                         t.printed = True
-                        _emit(status_line(t.description, t.completed, t.total, now - t.start, t.info))
+                        _emit(status_line(t.description, t.completed, t.total, now - t.start, t.info, since=t.since))
 
 
 class _CountingReader:
@@ -212,6 +221,9 @@ class _Nested:
 
     def advance(self, task_id: int, advance: float = 1) -> None:
         self.outer.advance(task_id, advance)
+
+    def reset(self, task_id: int, **kw: Any) -> None:
+        self.outer.reset(task_id, **kw)
 
     def wrap_file(self, file: Any, task_id: int, **kw: Any) -> Any:
         return self.outer.wrap_file(file, task_id=task_id, **kw)

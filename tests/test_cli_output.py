@@ -64,6 +64,18 @@ def test_status_line_has_count_rate_and_eta():
     assert fmt_duration(3725) == "1h02m" and fmt_duration(61) == "1m01s"
 
 
+def test_rate_after_a_resume_counts_only_this_process_steps(capsys):
+    # 65 of 96 steps were done before the resume: 1 step in 10 s here is 0.1/s, 30 steps left: 5m00s
+    assert status_line("grpo steps", 66, 96, 10.0, since=65) == "grpo steps 66/96 (69%) 0.1/s ETA 5m00s 10s elapsed"
+    with LogProgress(every=60) as bar:
+        tid = bar.add_task("grpo steps", total=96, info="")
+        bar.reset(tid, completed=65)
+        bar.update(tid, completed=96)
+    done = capsys.readouterr().err
+    assert done == ""  # closed before its first report: no line (as before)
+    assert bar.tasks[tid].since == 65
+
+
 def test_log_progress_prints_lines_while_a_task_runs(capsys):
     gate = threading.Event()
     with LogProgress(every=0.05) as bar:
