@@ -1,6 +1,7 @@
 """What a user sees: `lopd --help` in pipeline order, library noise only with --debug, and
 progress as plain lines (count, rate, ETA) when stderr is a log."""
 
+import re
 import threading
 
 import pytest
@@ -67,13 +68,19 @@ def test_status_line_has_count_rate_and_eta():
 def test_rate_after_a_resume_counts_only_this_process_steps(capsys):
     # 65 of 96 steps were done before the resume: 1 step in 10 s here is 0.1/s, 30 steps left: 5m00s
     assert status_line("grpo steps", 66, 96, 10.0, since=65) == "grpo steps 66/96 (69%) 0.1/s ETA 5m00s 10s elapsed"
-    with LogProgress(every=60) as bar:
+    # a resumed task's printed lines: one step after the reset, in ~0.3 s, leaves ~9 s for the
+    # other 30 (without the reset the 66 steps look done in 0.3 s and the ETA reads 0s)
+    gate = threading.Event()
+    with LogProgress(every=0.05) as bar:
         tid = bar.add_task("grpo steps", total=96, info="")
         bar.reset(tid, completed=65)
+        gate.wait(0.3)
+        bar.update(tid, completed=66)
+        gate.wait(0.3)
         bar.update(tid, completed=96)
-    done = capsys.readouterr().err
-    assert done == ""  # closed before its first report: no line (as before)
-    assert bar.tasks[tid].since == 65
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("grpo steps 66/96")]
+    etas = [re.search(r"ETA (\d+)s", ln) for ln in lines]
+    assert lines and all(m and int(m.group(1)) >= 5 for m in etas), lines
 
 
 def test_log_progress_prints_lines_while_a_task_runs(capsys):
