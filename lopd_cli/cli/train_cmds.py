@@ -55,8 +55,8 @@ def train(
         task = bar.add_task(f"{r.train.algo} steps", total=r.train.steps, info="")
 
         def on_step(row: dict) -> None:
-            if not rows and row["step"] > 1:  # resumed: time only the steps this process runs
-                bar.reset(task, completed=row["step"] - 1)
+            if not rows and row["step"] > 1:  # resumed: time from here, so the rate counts only later steps
+                bar.reset(task, completed=row["step"])
             rows.append(row)
             bar.update(task, completed=row["step"], info=_step_info(row))
 
