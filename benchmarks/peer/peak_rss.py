@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-BENCH = Path(os.environ.get("LOPD_PEER_BENCH", ROOT.parent / "shared" / "peer_trl" / "bench_peer.py"))
+BENCH = Path(os.environ.get("LOPD_PEER_BENCH", HERE / "bench_peer.py"))
 PLUGIN = HERE / "lopd_settings_plugin.py"
 
 
