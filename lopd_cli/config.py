@@ -37,44 +37,62 @@ class LoraConfig(Section):
 
 
 class ModelSection(Section):
-    backbone: str = Field(description="The LLM: an embedded name (tiny, smollm2-135m-instruct), a transformers directory, or a hub id.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype the backbone's weights are loaded in.")
-    autocast_bf16: bool = Field(False, description="bf16 autocast for forward/backward passes, with fp32 master weights.")
-    student: Literal["lora", "full"] = Field("lora", description="What training updates: a LoRA adapter (the teacher is the backbone with it off) or every weight.")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="The student's LoRA adapter (model.student: lora).")
+    backbone: str = Field(
+        description="The LLM: an embedded name (tiny, smollm2-135m-instruct), a transformers directory, or a hub id.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype the backbone's weights are loaded in.")
+    autocast_bf16: bool = Field(
+        False, description="bf16 autocast for forward/backward passes, with fp32 master weights.")
+    student: Literal["lora", "full"] = Field(
+        "lora",
+        description="What training updates: a LoRA adapter (the teacher is the backbone with it off) or every weight.")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="The student's LoRA adapter (model.student: lora).")
     device: str = Field("auto", description="Where the model runs: auto, cpu, cuda or cuda:N.")
 
 
 class EnvSection(Section):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    cls: str = Field(alias="class", description="The environment class: 'package.module:Name' or 'file.py:Name' (relative to the recipe).")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the environment class.")
+    cls: str = Field(
+        alias="class",
+        description="The environment class: 'package.module:Name' or 'file.py:Name' (relative to the recipe).")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the environment class.")
 
 
 class RolloutSection(Section):
     backend: Literal["hf", "vllm"] = Field("hf", description="Generation backend: hf (transformers) or vllm.")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of training rollouts and `lopd rollout` (0: greedy).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest token set with this probability mass (1: off).")
+    temperature: float = Field(
+        1.0, ge=0.0, description="Sampling temperature of training rollouts and `lopd rollout` (0: greedy).")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="Nucleus sampling: keep the smallest token set with this probability mass (1: off).")
     max_new_tokens: int = Field(256, ge=1, description="Most tokens the agent generates in one turn.")
     max_turns: int = Field(8, ge=1, description="Most assistant turns in one episode.")
-    rollouts_per_step: int = Field(32, ge=1, description="Episodes rolled out per training step (GRPO: tasks x train.grpo.group_size).")
+    rollouts_per_step: int = Field(
+        32, ge=1, description="Episodes rolled out per training step (GRPO: tasks x train.grpo.group_size).")
     batch_size: int = Field(32, ge=1, description="Episodes generated together in one batch.")
     tool_timeout_s: float = Field(10.0, gt=0, description="Seconds one tool call may run before it counts as failed.")
-    max_prompt_tokens: int = Field(4096, ge=16, description="An episode stops when its context reaches this many tokens.")
-    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm backend: fraction of GPU memory vLLM may take.")
+    max_prompt_tokens: int = Field(
+        4096, ge=16, description="An episode stops when its context reaches this many tokens.")
+    vllm_gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vllm backend: fraction of GPU memory vLLM may take.")
 
 
 class BankSection(Section):
     path: str = Field("bank.sqlite", description="The experience bank's sqlite file (relative to the project).")
     index_dir: str = Field("index", description="Folder of the bank's vector index (relative to the project).")
-    embedder: str = Field("all-minilm-l6-v2", description="Sentence embedder used for retrieval (an embedded name or a path).")
+    embedder: str = Field(
+        "all-minilm-l6-v2", description="Sentence embedder used for retrieval (an embedded name or a path).")
     embed_text: Literal["instruction", "instruction+trajectory"] = Field(
         "instruction", description="What is embedded per bank item: the task instruction, or it plus the trajectory.")
     min_reward: float = Field(
         1.0, description="Rollouts with reward >= this are experience (successes); unset: eval.success_threshold.")
     n_retrieve: int = Field(3, ge=1, description="Experiences retrieved per task (LOPD, OPSD, cold start).")
-    allow_self_retrieval: bool = Field(False, description="Let a task retrieve its own bank items (default: same task and instruction excluded).")
-    obs_char_budget: int = Field(600, ge=20, description="Characters kept per tool output when a trajectory is rendered as a reference.")
+    allow_self_retrieval: bool = Field(
+        False, description="Let a task retrieve its own bank items (default: same task and instruction excluded).")
+    obs_char_budget: int = Field(
+        600, ge=20, description="Characters kept per tool output when a trajectory is rendered as a reference.")
     index: Literal["flat", "hnsw"] = Field("flat", description="faiss index kind: flat (exact) or hnsw (approximate).")
     grow: bool = Field(False, description="LOPD/OPSD: add each step's successful rollouts to the bank while training.")
 
@@ -89,16 +107,20 @@ class ComposerSection(Section):
         description="LoRA of the encoder ψ (the backbone reading a retrieved experience).")
     max_item_tokens: int = Field(1024, ge=16, description="Tokens one rendered reference trajectory is truncated to.")
     key_tokens: Literal["content", "all"] = Field(
-        "all", description="χ's keys/values of an item: all tokens, or content only (chat markup and task frame masked).")
+        "all",
+        description="χ's keys/values of an item: all tokens, or content only (chat markup and task frame masked).")
     input_norm: Literal["none", "centre", "standardise"] = Field(
-        "none", description="χ's inputs: encoder states as they are, centred, or standardised per dimension over the bank.")
+        "none",
+        description="χ's inputs: encoder states as they are, centred, or standardised per dimension over the bank.")
 
 
 class ColdstartSection(Section):
-    steps: int = Field(200, ge=0, description="Cold-start steps (`lopd coldstart`): the composer learns to help the frozen teacher.")
+    steps: int = Field(
+        200, ge=0, description="Cold-start steps (`lopd coldstart`): the composer learns to help the frozen teacher.")
     batch_size: int = Field(4, ge=1, description="Training examples per cold-start step.")
     # Memory only, except that contrastive pairs form within a micro-batch.
-    micro_batch: int | None = Field(None, ge=1, description="Examples per forward/backward within a step (gradients accumulate); null: batch_size.")
+    micro_batch: int | None = Field(
+        None, ge=1, description="Examples per forward/backward within a step (gradients accumulate); null: batch_size.")
     lr: float = Field(1e-4, gt=0, description="Composer learning rate (AdamW) in the cold start.")
     lr_encoder: float | None = Field(None, gt=0, description="Learning rate of the encoder ψ (LoRA); null: lr.")
     lr_resampler: float | None = Field(None, gt=0, description="Learning rate of the resampler χ; null: lr.")
@@ -107,17 +129,22 @@ class ColdstartSection(Section):
         1.0, ge=0.0, description="Weight of the hinge NLL(own references) - NLL(another task's) + margin; 0: off.")
     contrastive_margin: float = Field(0.1, ge=0.0, description="Margin of that hinge, in nats per token.")
     privilege_weight: float = Field(
-        0.0, ge=0.0, description="Weight tokens' NLL by 1 + w * how much the references as text help the teacher there; 0: plain mean.")
+        0.0, ge=0.0,
+        description="Weight tokens' NLL by 1 + w * how much the references as text help the teacher there; 0: plain mean.")
     reconstruct_weight: float = Field(
-        0.0, ge=0.0, description="Weight of the teacher's NLL of a reference's own actions from its latents (ICAE-style); 0: off.")
+        0.0, ge=0.0,
+        description="Weight of the teacher's NLL of a reference's own actions from its latents (ICAE-style); 0: off.")
     clip_lora: float = Field(3.0, gt=0, description="Gradient-norm clip of the encoder ψ's LoRA.")
     clip_qformer: float = Field(30.0, gt=0, description="Gradient-norm clip of the resampler χ.")
     eval_every: int = Field(50, ge=1, description="Validation NLL every this many steps (and after the last).")
-    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Fraction of the bank's tasks held out for validation.")
+    val_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Fraction of the bank's tasks held out for validation.")
     # Each held-out example costs ~10 teacher passes; a cap takes an evenly spaced subset.
-    val_n: int | None = Field(None, ge=2, description="Held-out examples scored (validation, composer health, the check); null: all.")
+    val_n: int | None = Field(
+        None, ge=2, description="Held-out examples scored (validation, composer health, the check); null: all.")
     anchor_cache_tasks: int = Field(
-        128, ge=0, description="Training tasks whose anchor latents c_φ0 are computed right after the cold start (others on first use).")
+        128, ge=0,
+        description="Training tasks whose anchor latents c_φ0 are computed right after the cold start (others on first use).")
     seed: int = Field(0, description="Seed of the cold start (validation split, example order).")
 
 
@@ -125,73 +152,95 @@ class DistillSection(Section):
     top_m: int = Field(20, ge=1, description="Teacher's top-M tokens per position in the top-M + tail reverse KL.")
     # One more no-grad teacher pass per step (losses.privilege_weights).
     privilege_gate: bool = Field(
-        False, description="Weight each token's distillation by how much the task's own references change the teacher there vs another task's.")
+        False,
+        description="Weight each token's distillation by how much the task's own references change the teacher there vs another task's.")
 
 
 class LopdSection(Section):
     composer_from: str | None = Field(
-        None, description="The cold-start composer (a composer folder or a run holding one); null: the newest `lopd coldstart` one.")
+        None,
+        description="The cold-start composer (a composer folder or a run holding one); null: the newest `lopd coldstart` one.")
     freeze_composer: bool = Field(False, description="Keep the composer φ frozen: no composer phase, no dual step.")
-    margin_m: float = Field(0.05, description="Privileged margin m, in nats per token, that the teacher's lead Δ must reach.")
+    margin_m: float = Field(
+        0.05, description="Privileged margin m, in nats per token, that the teacher's lead Δ must reach.")
     margin_advantage: Literal["centred", "paper"] = Field(
-        "centred", description="Δ's form: centred (sequence mean of 2(r - mean r)·δ) or paper (token mean of (2r - 1)·δ).")
+        "centred",
+        description="Δ's form: centred (sequence mean of 2(r - mean r)·δ) or paper (token mean of (2r - 1)·δ).")
     eta_beta: float = Field(10.0, ge=0.0, description="Dual step size η: β += η (m - Δ) at each composer update.")
     beta0: float = Field(0.0, ge=0.0, description="Initial value of the dual variable β.")
     anchor_lambda: float = Field(
-        0.2, ge=0.0, description="Weight of the anchor ‖c - c0‖² to the cold-start composer's latents (summed over a task's elements).")
+        0.2, ge=0.0,
+        description="Weight of the anchor ‖c - c0‖² to the cold-start composer's latents (summed over a task's elements).")
     composer_lr: float = Field(1e-5, gt=0, description="Composer φ's learning rate (AdamW) in the composer phase.")
-    composer_lr_encoder: float | None = Field(None, gt=0, description="Learning rate of the encoder ψ (LoRA); null: composer_lr.")
-    composer_lr_resampler: float | None = Field(None, gt=0, description="Learning rate of the resampler χ; null: composer_lr.")
-    composer_warmup_steps: int = Field(5, ge=0, description="Linear warm-up of φ's learning rates from 0, in composer updates.")
+    composer_lr_encoder: float | None = Field(
+        None, gt=0, description="Learning rate of the encoder ψ (LoRA); null: composer_lr.")
+    composer_lr_resampler: float | None = Field(
+        None, gt=0, description="Learning rate of the resampler χ; null: composer_lr.")
+    composer_warmup_steps: int = Field(
+        5, ge=0, description="Linear warm-up of φ's learning rates from 0, in composer updates.")
     # The composer pass's cost (issue 20): φ on a subset of rows and steps; the dual step on β
     # goes with φ's updates, Δ is measured on every row.
     composer_batch: int | None = Field(
         None, ge=1, description="Sequences per step that take the composer pass (a seeded draw per step); null: all.")
     composer_every: int = Field(4, ge=1, description="Update φ (and β) on every N-th step only.")
     composer_micro_batch: int = Field(
-        2, ge=1, description="Sequences per chunk of the composer pass (at most train.micro_batch); it sets a step's peak memory.")
+        2, ge=1,
+        description="Sequences per chunk of the composer pass (at most train.micro_batch); it sets a step's peak memory.")
     contrastive_weight: float = Field(
-        0.0, ge=0.0, description="Composer phase: weight of the own-vs-other-task references hinge on the step's successes; 0: off.")
+        0.0, ge=0.0,
+        description="Composer phase: weight of the own-vs-other-task references hinge on the step's successes; 0: off.")
     contrastive_margin: float = Field(0.1, ge=0.0, description="Margin of that hinge, in nats per token.")
     health_n: int = Field(
         16, ge=0, description="Held-out bank trajectories scored for composer health at each validation; 0: off.")
     min_task_spread: float = Field(
-        0.01, ge=0.0, description="Warn when the latents' task spread falls below this at a health check (a collapsed composer).")
+        0.01, ge=0.0,
+        description="Warn when the latents' task spread falls below this at a health check (a collapsed composer).")
 
 
 class GrpoSection(Section):
-    group_size: int = Field(8, ge=1, description="Rollouts per task (one group); rollout.rollouts_per_step must be a multiple.")
+    group_size: int = Field(
+        8, ge=1, description="Rollouts per task (one group); rollout.rollouts_per_step must be a multiple.")
     clip_eps: float = Field(0.2, gt=0, description="Clip range ε of the policy ratio.")
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL to the base model (k3 estimator); 0: off.")
 
 
 class SftSection(Section):
-    batch: int | None = Field(None, ge=1, description="Successful bank items per step; null: rollout.rollouts_per_step.")
+    batch: int | None = Field(
+        None, ge=1, description="Successful bank items per step; null: rollout.rollouts_per_step.")
 
 
 class TrainSection(Section):
     algo: Literal["lopd", "grpo", "opsd", "sft"] = Field(
-        "lopd", description="Training algorithm: lopd, grpo, opsd (references as text) or sft (`lopd train --algo` sets it).")
+        "lopd",
+        description="Training algorithm: lopd, grpo, opsd (references as text) or sft (`lopd train --algo` sets it).")
     steps: int = Field(100, ge=0, description="Training steps; a resumed run continues up to this many.")
     lr: float = Field(1e-4, gt=0, description="Student learning rate (AdamW).")
     seed: int = Field(0, description="Seed of the run: task order, rollouts, the composer rows' draw.")
-    micro_batch: int = Field(8, ge=1, description="Sequences per forward/backward chunk (memory only; gradients accumulate).")
+    micro_batch: int = Field(
+        8, ge=1, description="Sequences per forward/backward chunk (memory only; gradients accumulate).")
     logit_chunk: int = Field(1024, ge=1, description="Token positions per chunk when reading logits (memory only).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip of the student (and of the composer, LOPD).")
     save_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the last).")
     keep_last: int | None = Field(None, ge=1, description="Keep only the newest N checkpoints; null: all.")
-    eval_every: int = Field(0, ge=0, description="Validate on train.eval_n validation tasks every this many steps; 0: never.")
+    eval_every: int = Field(
+        0, ge=0, description="Validate on train.eval_n validation tasks every this many steps; 0: never.")
     eval_n: int = Field(32, ge=1, description="Validation tasks per periodic validation.")
-    max_nonfinite: int = Field(3, ge=1, description="Stop after this many steps in a row with a non-finite loss or gradient.")
+    max_nonfinite: int = Field(
+        3, ge=1, description="Stop after this many steps in a row with a non-finite loss or gradient.")
     tensorboard: bool = Field(False, description="Also write TensorBoard event files into the run folder.")
     prior_rollouts: int | None = Field(
-        None, ge=0, description="Rollouts spent before training, for budget accounting; null: lopd-generated bank rows (GRPO: 0).")
+        None, ge=0,
+        description="Rollouts spent before training, for budget accounting; null: lopd-generated bank rows (GRPO: 0).")
     init_from: str | None = Field(
-        None, description="Warm start: a run (runs/RUN) or checkpoint folder whose student starts this run; optimisers start fresh.")
+        None,
+        description="Warm start: a run (runs/RUN) or checkpoint folder whose student starts this run; optimisers start fresh.")
     teacher: Literal["base", "init"] = Field(
-        "base", description="Teacher of a warm-started run: the recipe's backbone (base) or init_from's student merged into it (init).")
+        "base",
+        description="Teacher of a warm-started run: the recipe's backbone (base) or init_from's student merged into it (init).")
     distill: DistillSection = Field(default_factory=DistillSection, description="LOPD and OPSD: the distillation loss.")
-    lopd: LopdSection = Field(default_factory=LopdSection, description="LOPD only: the composer phase, the privileged margin and its dual variable β.")
+    lopd: LopdSection = Field(
+        default_factory=LopdSection,
+        description="LOPD only: the composer phase, the privileged margin and its dual variable β.")
     grpo: GrpoSection = Field(default_factory=GrpoSection, description="GRPO only.")
     sft: SftSection = Field(default_factory=SftSection, description="SFT only.")
 
@@ -199,10 +248,12 @@ class TrainSection(Section):
 class EvalSection(Section):
     split: str = Field("test", description="Task split `lopd eval` scores.")
     n: int | None = Field(None, ge=1, description="Tasks `lopd eval` scores; null: the whole split.")
-    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of validation and `lopd eval` (0: greedy).")
+    temperature: float = Field(
+        0.0, ge=0.0, description="Sampling temperature of validation and `lopd eval` (0: greedy).")
     # bank.min_reward is a different thing: which rollouts the bank keeps.
     success_threshold: float = Field(
-        1.0, ge=0.0, le=1.0, description="An episode succeeds when its reward reaches this (training metrics, validation, eval).")
+        1.0, ge=0.0, le=1.0,
+        description="An episode succeeds when its reward reaches this (training metrics, validation, eval).")
 
 
 class Recipe(Section):
@@ -210,12 +261,18 @@ class Recipe(Section):
     description: str | None = Field(None, description="Free text about the recipe.")
     model: ModelSection = Field(description="The backbone and the student.")
     env: EnvSection = Field(description="The environment (world) the agent acts in.")
-    reward: str | None = Field(None, description="Reward plugin 'module:function' or 'file.py:function'; null: the environment's own reward.")
+    reward: str | None = Field(
+        None, description="Reward plugin 'module:function' or 'file.py:function'; null: the environment's own reward.")
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="How episodes are generated.")
     bank: BankSection = Field(default_factory=BankSection, description="The experience bank and retrieval.")
-    composer: ComposerSection = Field(default_factory=ComposerSection, description="The composer φ = (encoder ψ, resampler χ) that turns retrieved experiences into latents.")
-    coldstart: ColdstartSection = Field(default_factory=ColdstartSection, description="`lopd coldstart`: the composer's training before LOPD.")
-    train: TrainSection = Field(default_factory=TrainSection, description="`lopd train`: keys every algorithm reads, then one section per algorithm.")
+    composer: ComposerSection = Field(
+        default_factory=ComposerSection,
+        description="The composer φ = (encoder ψ, resampler χ) that turns retrieved experiences into latents.")
+    coldstart: ColdstartSection = Field(
+        default_factory=ColdstartSection, description="`lopd coldstart`: the composer's training before LOPD.")
+    train: TrainSection = Field(
+        default_factory=TrainSection,
+        description="`lopd train`: keys every algorithm reads, then one section per algorithm.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Validation and `lopd eval`.")
 
     # Where the recipe came from: relative plugin paths resolve against its folder.
