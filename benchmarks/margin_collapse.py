@@ -124,10 +124,10 @@ def run_margin(ctx: dict, margin: float, steps: int, composer_lr: float, anchor:
     opt = torch.optim.AdamW(params, lr=composer_lr)
     student = ad.adapter_parameters(model, ad.STUDENT)
     latents0 = ctx["latents0"]
-    setup = DistillSetup(model, ctx["tok"], t.top_m, margin, anchor, t.micro_batch, t.logit_chunk,
+    setup = DistillSetup(model, ctx["tok"], t.distill.top_m, margin, anchor, t.micro_batch, t.logit_chunk,
                          composer=composer, train_composer=True, latents0=lambda i, r: latents0,
                          margin_advantage=form)
-    beta, rows = t.beta0, []
+    beta, rows = t.lopd.beta0, []
     model.train()
     for step in range(1, steps + 1):
         opt.zero_grad(set_to_none=True)
@@ -151,9 +151,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--composer-lr", type=float, default=1e-3)
     ap.add_argument("--anchor", type=float, default=0.2)
-    ap.add_argument("--eta-beta", type=float, default=10.0, help="train.eta_beta (recipe default 10; the paper's 0.5)")
+    ap.add_argument("--eta-beta", type=float, default=10.0, help="train.lopd.eta_beta (recipe default 10; the paper's 0.5)")
     ap.add_argument("--margin-advantage", choices=["centred", "paper"], default="centred",
-                    help="train.margin_advantage: Δ's form")
+                    help="train.lopd.margin_advantage: Δ's form")
     ap.add_argument("--bank", type=int, default=16)
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--coldstart-steps", type=int, default=10)

@@ -65,8 +65,8 @@ METHODS: dict[str, list[str]] = {
     "lopd": ["train.algo=lopd"],
     "grpo": ["train.algo=grpo"],
     "opsd": ["train.algo=opsd"],
-    "lopd_margin0": ["train.algo=lopd", "train.margin_m=0"],
-    "lopd_frozen": ["train.algo=lopd", "train.freeze_composer=true"],
+    "lopd_margin0": ["train.algo=lopd", "train.lopd.margin_m=0"],
+    "lopd_frozen": ["train.algo=lopd", "train.lopd.freeze_composer=true"],
     "sft": ["train.algo=sft"],
     "sft_lopd": ["train.algo=lopd"],  # from the seed's SFT student (run_method adds train.init_from)
 }
@@ -421,7 +421,7 @@ class Study:
             every = max(1, math.ceil(steps / a.points))
         extra = [f"train.steps={steps}", f"train.save_every={every}"]
         if composer_dir is not None and method in USES_COMPOSER:
-            extra.append(f"train.composer_from={composer_dir}")
+            extra.append(f"train.lopd.composer_from={composer_dir}")
         start = self.data["base"]
         if method == "sft_lopd":
             sft_dir, start = self.sft_student(project, seed, composer_dir)
@@ -501,7 +501,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.budget, a.bank, a.rollouts_per_step, a.points, a.eval_n = 24, 8, 4, 1, 4
         a.seeds, a.coldstart_steps, a.sft_steps = a.seeds[:1], 2, 2
         a.team_logs = a.team_logs or 8
-        a.set = ["rollout.max_new_tokens=32", "rollout.max_turns=3", "train.group_size=2",
+        a.set = ["rollout.max_new_tokens=32", "rollout.max_turns=3", "train.grpo.group_size=2",
                  "bank.min_reward=0.0", "bank.n_retrieve=1"] + a.set
     if a.bank >= a.budget:
         p.error("--bank must be below --budget")

@@ -115,6 +115,13 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _margin_m(train_sec: dict[str, Any]) -> float:
+    """A LOPD run's margin: train.lopd.margin_m (train.margin_m in runs of an earlier lopd)."""
+    lopd = train_sec.get("lopd") if isinstance(train_sec.get("lopd"), dict) else {}
+    value = lopd.get("margin_m", train_sec.get("margin_m"))
+    return 0.05 if value is None else float(value)
+
+
 def load_run(path: Path) -> Run:
     path = Path(path)
     recipe = _read_recipe(path)
@@ -126,7 +133,7 @@ def load_run(path: Path) -> Run:
         path=path,
         group=f"{name} · {algo}",
         seed=int(train_sec.get("seed", 0)),
-        margin_m=float(train_sec["margin_m"]) if algo == "lopd" and "margin_m" in train_sec else (0.05 if algo == "lopd" else None),
+        margin_m=_margin_m(train_sec) if algo == "lopd" else None,
         rows=rows,
     )
 

@@ -15,8 +15,8 @@ FAST = {
     # composer_every 1: the training tests check φ, its warm-up and β step by step (the default 4 is
     # covered by test_composer_batch_and_every); composer_micro_batch stays 2 < micro_batch 4, so the
     # exact-resume and 2-process tests run the chunked composer pass.
-    "train": {"steps": 2, "save_every": 1, "micro_batch": 4, "group_size": 2, "lr": 1e-3, "composer_lr": 1e-3,
-              "composer_every": 1},
+    "train": {"steps": 2, "save_every": 1, "micro_batch": 4, "lr": 1e-3, "grpo": {"group_size": 2},
+              "lopd": {"composer_lr": 1e-3, "composer_every": 1}},
 }
 
 

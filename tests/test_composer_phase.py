@@ -39,7 +39,7 @@ def _run(b, episodes, refs, rows=None, margin="centred", totals=None, beta=0.7, 
     t = b.recipe.train
     _zero(b.student_params + b.composer_params)
     lat0 = {i: l for i, l in zip(b.instrs, b.latents0)}
-    setup = DistillSetup(b.model, b.tok, t.top_m, t.margin_m, t.anchor_lambda, 2, t.logit_chunk, composer=b.composer,
+    setup = DistillSetup(b.model, b.tok, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, 2, t.logit_chunk, composer=b.composer,
                          train_composer=True, latents0=lambda ins, r: torch.stack([lat0[i] for i in ins]),
                          margin_advantage=margin, composer_rows=rows, **kw)
     o = distill_update(setup, episodes, refs, beta, totals)
@@ -128,7 +128,7 @@ def test_composer_rows_give_the_gradient_of_those_rows_alone(bench):
 
 
 def test_composer_micro_batch_chunks_the_composer_pass_and_keeps_the_gradients(bench, monkeypatch):
-    """train.composer_micro_batch: the composer pass runs in chunks of that many rows (its graphs
+    """train.lopd.composer_micro_batch: the composer pass runs in chunks of that many rows (its graphs
     are what bound the step's peak memory) and the losses and gradients stay the same sums."""
     import lopd_cli.train.distill as distill
 
@@ -154,10 +154,10 @@ def test_a_contrastive_term_with_smaller_composer_chunks_warns():
     from lopd_cli.train.loop import contrastive_chunk_warning
 
     assert contrastive_chunk_warning(TrainSection()) is None  # no contrastive term by default
-    assert contrastive_chunk_warning(TrainSection(contrastive_weight=1.0, composer_micro_batch=8)) is None
-    msg = contrastive_chunk_warning(TrainSection(contrastive_weight=1.0, composer_micro_batch=1))
+    assert contrastive_chunk_warning(TrainSection(lopd={"contrastive_weight": 1.0, "composer_micro_batch": 8})) is None
+    msg = contrastive_chunk_warning(TrainSection(lopd={"contrastive_weight": 1.0, "composer_micro_batch": 1}))
     assert "composer_micro_batch=1" in msg and "none at 1" in msg and "composer_micro_batch=8" in msg
-    assert contrastive_chunk_warning(TrainSection(algo="opsd", contrastive_weight=1.0)) is None
+    assert contrastive_chunk_warning(TrainSection(algo="opsd", lopd={"contrastive_weight": 1.0})) is None
 
 
 def test_rows_per_step_follow_composer_batch_and_every():
@@ -165,8 +165,9 @@ def test_rows_per_step_follow_composer_batch_and_every():
     from lopd_cli.config import TrainSection
     from lopd_cli.train.loop import composer_rows
 
-    def tr(**kw):
-        return types.SimpleNamespace(trains_composer=True, recipe=types.SimpleNamespace(train=TrainSection(**kw)))
+    def tr(seed=0, **lopd):
+        return types.SimpleNamespace(trains_composer=True,
+                                     recipe=types.SimpleNamespace(train=TrainSection(seed=seed, lopd=lopd)))
 
     eps = [types.SimpleNamespace(action_mask=[0, 1, 1]) for _ in range(7)] + [types.SimpleNamespace(action_mask=[1, 0])]
     assert composer_rows(tr(), eps, 1) is None

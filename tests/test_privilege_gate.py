@@ -1,4 +1,4 @@
-"""The privilege gate (train.privilege_gate): per-token weights from how much the task's own
+"""The privilege gate (train.distill.privilege_gate): per-token weights from how much the task's own
 references change the teacher against another task's, and the distillation they scale."""
 
 import sys
@@ -82,7 +82,7 @@ def _student_grads(b, refs, gate: bool, train_composer: bool = False):
     t = b.recipe.train
     for p in b.student_params + b.composer_params:
         p.grad = None
-    setup = DistillSetup(b.model, b.tok, t.top_m, t.margin_m, 0.0, 2, t.logit_chunk, composer=b.composer,
+    setup = DistillSetup(b.model, b.tok, t.distill.top_m, t.lopd.margin_m, 0.0, 2, t.logit_chunk, composer=b.composer,
                          train_composer=train_composer, privilege_gate=gate)
     o = distill_update(setup, b.episodes, refs, 0.5)
     return o, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in b.student_params]

@@ -19,7 +19,7 @@ def make_run(root: Path, name: str, algo: str, seed: int, steps: int = 12, per_s
     run = root / f"{name}-{algo}-s{seed}"
     run.mkdir(parents=True)
     recipe = {"name": name, "model": {"backbone": "tiny"}, "env": {"class": "lopd_cli.envs.orders:OrdersEnv"},
-              "train": {"algo": algo, "seed": seed, "margin_m": 0.05}}
+              "train": {"algo": algo, "seed": seed, "lopd": {"margin_m": 0.05}}}
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     rng = random.Random(f"{name}-{algo}-{seed}")
     slope = 0.04 if algo == "lopd" else 0.025

@@ -171,7 +171,7 @@ def test_trainer_steps_roll_out_the_current_student(student, tmp_path):
         "model": {"backbone": "tiny", "lora": {"r": 8}},
         "env": {"class": "lopd_cli.envs.orders:OrdersEnv", "kwargs": {"n_train": 8, "n_validation": 2, "n_test": 2}},
         "rollout": {"backend": "vllm", "max_new_tokens": 8, "max_turns": 1, "rollouts_per_step": 4, "batch_size": 4},
-        "train": {"algo": "grpo", "group_size": 2, "micro_batch": 4, "steps": 1},
+        "train": {"algo": "grpo", "grpo": {"group_size": 2}, "micro_batch": 4, "steps": 1},
     })
     tr = build_trainer(project, recipe, tmp_path / "run", show_progress=False)
     row = train_step(tr)

@@ -316,5 +316,5 @@ def test_coldstart_with_teacher_init_trains_and_checks_against_the_warm_start_mo
 
     # a LOPD run on the same teacher takes that composer (it is matched to the backbone by name)
     tr = _train(project, "ti-lopd", ["train.init_from=runs/src-sft", "train.teacher=init", "train.steps=1",
-                                     "train.composer_from=runs/coldstart-ti"])
+                                     "train.lopd.composer_from=runs/coldstart-ti"])
     assert tr.composer_dir == project.runs_dir / "coldstart-ti" / "composer"

@@ -1,7 +1,7 @@
 """bench_peer plugin: the product plugin (lopd_product_plugin.py, next to this file) with
 recipe overrides, so several composer-phase settings interleave in one process.
 
-    LOPD_PEER_SETTINGS="lopd_all:;lopd_c2:train.composer_batch=2;lopd_e4:train.composer_every=4"
+    LOPD_PEER_SETTINGS="lopd_all:;lopd_c2:train.lopd.composer_batch=2;lopd_e4:train.lopd.composer_every=4"
     .venv-peer/bin/python benchmarks/peer/bench_peer.py --model ~/.cache/lopd/models/tiny --workloads sdft,sft \\
         --plugin benchmarks/peer/lopd_settings_plugin.py --plugin ... (once per setting)
 

@@ -329,7 +329,7 @@ def composer_health(model, tokenizer, composer: Composer, examples: Sequence[Exa
 def collapse_message(spread: float, threshold: float, where: str) -> str:
     """The one-line warning when the latents stop depending on what was retrieved."""
     return (f"{where}: the composer has collapsed into a fixed prompt: latent task spread "
-            f"{100 * spread:.2f} % < {100 * threshold:.2f} % (train.min_task_spread); its latents barely "
+            f"{100 * spread:.2f} % < {100 * threshold:.2f} % (train.lopd.min_task_spread); its latents barely "
             "depend on the retrieved references (see composer/nll_gap)")
 
 

@@ -94,27 +94,27 @@ class Trainer:
 
     @property
     def trains_composer(self) -> bool:
-        return self.algo == "lopd" and not self.recipe.train.freeze_composer
+        return self.algo == "lopd" and not self.recipe.train.lopd.freeze_composer
 
 
 # ----------------------------------------------------------------------------- set-up
 
 
 def find_composer(project: Project, recipe: Recipe) -> Path:
-    """`train.composer_from`, else the newest composer `lopd coldstart` saved in the project."""
+    """`train.lopd.composer_from`, else the newest composer `lopd coldstart` saved in the project."""
     from lopd_cli.models.composer import MANIFEST
 
-    if recipe.train.composer_from:
-        p = project.path(recipe.train.composer_from)
+    if recipe.train.lopd.composer_from:
+        p = project.path(recipe.train.lopd.composer_from)
         for cand in (p, p / "composer"):
             if (cand / MANIFEST).is_file():
                 return cand
-        raise LopdError(f"train.composer_from: no composer in {p} ({MANIFEST} missing)")
+        raise LopdError(f"train.lopd.composer_from: no composer in {p} ({MANIFEST} missing)")
     found = sorted(project.runs_dir.glob(f"*/composer/{MANIFEST}"), key=lambda f: f.stat().st_mtime)
     if not found:
         raise LopdError(
             "no cold-start composer in this project: run `lopd coldstart --recipe R` first "
-            "(or set train.composer_from)"
+            "(or set train.lopd.composer_from)"
         )
     return found[-1].parent
 
@@ -138,12 +138,12 @@ def _student_params(model) -> list[torch.nn.Parameter]:
 def contrastive_chunk_warning(t) -> str | None:
     """The one-line warning when the composer pass's chunks are smaller than micro_batch and the
     contrastive term is on: its pairs form within a chunk, so smaller chunks form fewer pairs."""
-    chunk = min(t.composer_micro_batch, t.micro_batch)
-    if t.algo != "lopd" or t.freeze_composer or t.contrastive_weight <= 0 or chunk >= t.micro_batch:
+    chunk = min(t.lopd.composer_micro_batch, t.micro_batch)
+    if t.algo != "lopd" or t.lopd.freeze_composer or t.lopd.contrastive_weight <= 0 or chunk >= t.micro_batch:
         return None
-    return (f"train.contrastive_weight > 0 pairs successes only within a composer chunk of "
-            f"train.composer_micro_batch={chunk} rows" + (" (none at 1)" if chunk == 1 else "")
-            + f"; set composer_micro_batch={t.micro_batch} to pair within micro_batch as before")
+    return (f"train.lopd.contrastive_weight > 0 pairs successes only within a composer chunk of "
+            f"train.lopd.composer_micro_batch={chunk} rows" + (" (none at 1)" if chunk == 1 else "")
+            + f"; set train.lopd.composer_micro_batch={t.micro_batch} to pair within micro_batch as before")
 
 
 def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress: bool = True) -> Trainer:
@@ -162,7 +162,7 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
         warn_if_slow_bf16("model.autocast_bf16=true", str(next(model.parameters()).device))
     model = ad.attach_adapters(model, recipe)
     trainable = [ad.BASE if recipe.model.student == "full" else ad.STUDENT]
-    if t.algo == "lopd" and not t.freeze_composer:
+    if t.algo == "lopd" and not t.lopd.freeze_composer:
         trainable.append(ad.ENCODER)
     ad.set_trainable(model, trainable)
     env_factory = make_env_factory(recipe)
@@ -171,7 +171,7 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
     tr = Trainer(
         project=project, recipe=recipe, run_dir=run_dir, model=model, tokenizer=tok,
         env_factory=env_factory, reward_fn=load_reward(recipe), train_tasks=tasks,
-        student_opt=student_opt, state=TrainState(beta=t.beta0, sampler=TaskSampler(len(tasks), t.seed)),
+        student_opt=student_opt, state=TrainState(beta=t.lopd.beta0, sampler=TaskSampler(len(tasks), t.seed)),
         backbone_path=str(Path(resolve_backbone(backbone, search)).resolve()),
     )
     if t.algo in ("lopd", "opsd"):
@@ -220,16 +220,16 @@ def _setup_composer(tr: Trainer) -> None:
     from lopd_cli.train.distill import NoGradLatents
 
     tr.nograd_latents = NoGradLatents()
-    if recipe.train.freeze_composer:
+    if recipe.train.lopd.freeze_composer:
         tr.composer.requires_grad_(False)
     else:
         from lopd_cli.train.coldstart import composer_optimizer
 
         t = recipe.train
         tr.composer_opt, tr.composer_sched = composer_optimizer(
-            tr.model, tr.composer, t.composer_lr_encoder or t.composer_lr, t.composer_lr_resampler or t.composer_lr,
-            t.composer_warmup_steps, weight_decay=0.01)
-    if recipe.train.anchor_lambda > 0 and not recipe.train.freeze_composer:
+            tr.model, tr.composer, t.lopd.composer_lr_encoder or t.lopd.composer_lr, t.lopd.composer_lr_resampler or t.lopd.composer_lr,
+            t.lopd.composer_warmup_steps, weight_decay=0.01)
+    if recipe.train.lopd.anchor_lambda > 0 and not recipe.train.lopd.freeze_composer:
         composer0 = Composer.load(tr.composer_dir, tr.model, tr.tokenizer, recipe.composer,
                                   adapter="encoder0", frozen=True)
         tr.latent_cache = LatentCache.load(tr.composer_dir)
@@ -247,9 +247,9 @@ def pick_tasks(tr: Trainer) -> tuple[list, list[int]]:
     """The step's tasks: R distinct tasks (LOPD/OPSD), or R/G tasks × G rollouts (GRPO)."""
     R = tr.recipe.rollout.rollouts_per_step
     if tr.algo == "grpo":
-        G = tr.recipe.train.group_size
+        G = tr.recipe.train.grpo.group_size
         if R % G:
-            raise LopdError(f"rollout.rollouts_per_step ({R}) must be a multiple of train.group_size ({G})")
+            raise LopdError(f"rollout.rollouts_per_step ({R}) must be a multiple of train.grpo.group_size ({G})")
         idx = tr.state.sampler.take(R // G)
         return [tr.train_tasks[i] for i in idx for _ in range(G)], [g for g in range(len(idx)) for _ in range(G)]
     idx = tr.state.sampler.take(R)
@@ -319,26 +319,26 @@ def _norm(params: list[torch.nn.Parameter]) -> float:
 
 def composer_health_row(tr: Trainer, step: int) -> dict[str, Any]:
     """At every eval (LOPD): the latents' task spread and the own-vs-shuffled teacher NLL gap on
-    `train.health_n` held-out bank trajectories (the cold start's validation tasks), as
-    composer/* keys, plus a LopdWarning when the spread is below `train.min_task_spread`."""
+    `train.lopd.health_n` held-out bank trajectories (the cold start's validation tasks), as
+    composer/* keys, plus a LopdWarning when the spread is below `train.lopd.min_task_spread`."""
     import warnings
 
     from lopd_cli.errors import LopdWarning
     from lopd_cli.train.coldstart import collapse_message, composer_health, make_examples, split_by_task
 
     t = tr.recipe.train
-    if tr.composer is None or tr.retriever is None or not t.health_n:
+    if tr.composer is None or tr.retriever is None or not t.lopd.health_n:
         return {}
     if tr.health_examples is None:
         cs = tr.recipe.coldstart
         items = tr.retriever.bank.items(success_only=True)
         _, held = split_by_task(items, cs.val_fraction, cs.seed)
-        tr.health_examples = make_examples(tr.tokenizer, tr.retriever, (held or items)[: 4 * t.health_n],
-                                           tr.recipe.bank.n_retrieve, tr.recipe.rollout.max_prompt_tokens)[: t.health_n]
+        tr.health_examples = make_examples(tr.tokenizer, tr.retriever, (held or items)[: 4 * t.lopd.health_n],
+                                           tr.recipe.bank.n_retrieve, tr.recipe.rollout.max_prompt_tokens)[: t.lopd.health_n]
     tr.model.eval()
     h = composer_health(tr.model, tr.tokenizer, tr.composer, tr.health_examples, t.micro_batch)
-    if h and h["latent_task_spread"] < t.min_task_spread and dist.is_main():
-        warnings.warn(collapse_message(h["latent_task_spread"], t.min_task_spread, f"train step {step}"),
+    if h and h["latent_task_spread"] < t.lopd.min_task_spread and dist.is_main():
+        warnings.warn(collapse_message(h["latent_task_spread"], t.lopd.min_task_spread, f"train step {step}"),
                       LopdWarning, stacklevel=2)
     return {f"composer/{k}": v for k, v in h.items()}
 
@@ -353,18 +353,18 @@ def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
 def composer_rows(tr: Trainer, episodes: list[Episode], step: int) -> list[bool] | None:
     """Which of the step's sequences (the whole batch, every rank alike) take the composer pass:
     None = all of them (the composer trains every step on every row), all False on a step
-    without a φ update (`train.composer_every`), else `train.composer_batch` rows drawn with a
+    without a φ update (`train.lopd.composer_every`), else `train.lopd.composer_batch` rows drawn with a
     generator seeded by (seed, step) among those with supervised tokens (the global RNG, and so
     the rest of the run, is untouched)."""
     t = tr.recipe.train
     if not tr.trains_composer:
         return None
-    if (step - 1) % t.composer_every:
+    if (step - 1) % t.lopd.composer_every:
         return [False] * len(episodes)
     valid = [i for i, ep in enumerate(episodes) if sum(ep.action_mask[1:]) > 0]
-    if t.composer_batch is None or t.composer_batch >= len(valid):
+    if t.lopd.composer_batch is None or t.lopd.composer_batch >= len(valid):
         return None
-    pick = set(random.Random(t.seed * 1_000_003 + 7 * step + 1).sample(valid, t.composer_batch))
+    pick = set(random.Random(t.seed * 1_000_003 + 7 * step + 1).sample(valid, t.lopd.composer_batch))
     return [i in pick for i in range(len(episodes))]
 
 
@@ -387,7 +387,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
     row: dict[str, Any] = {}
     t0 = time.perf_counter()
     if tr.algo == "grpo":
-        setup = GrpoSetup(tr.model, tr.tokenizer, tr.recipe.rollout.temperature, t.clip_eps, t.kl_coef,
+        setup = GrpoSetup(tr.model, tr.tokenizer, tr.recipe.rollout.temperature, t.grpo.clip_eps, t.grpo.kl_coef,
                           t.micro_batch, t.logit_chunk, tr.recipe.model.autocast_bf16)
         o = grpo_update(setup, episodes, group_ids, totals)
         if dist.is_distributed():
@@ -401,14 +401,14 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
     else:
         refs = retrieve_refs(tr, episodes)
         setup = DistillSetup(
-            tr.model, tr.tokenizer, t.top_m, t.margin_m, t.anchor_lambda, t.micro_batch, t.logit_chunk,
+            tr.model, tr.tokenizer, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, t.micro_batch, t.logit_chunk,
             composer=tr.composer, train_composer=tr.trains_composer, latents0=tr.latents0,
             text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else None,
-            autocast=tr.recipe.model.autocast_bf16, margin_advantage=t.margin_advantage,
-            contrastive_weight=t.contrastive_weight, contrastive_margin=t.contrastive_margin,
+            autocast=tr.recipe.model.autocast_bf16, margin_advantage=t.lopd.margin_advantage,
+            contrastive_weight=t.lopd.contrastive_weight, contrastive_margin=t.lopd.contrastive_margin,
             success_threshold=tr.recipe.eval.success_threshold,
             composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
-            privilege_gate=t.privilege_gate, composer_micro_batch=t.composer_micro_batch,
+            privilege_gate=t.distill.privilege_gate, composer_micro_batch=t.lopd.composer_micro_batch,
         )
         o = distill_update(setup, episodes, refs, tr.state.beta, totals)
         if dist.is_distributed():
@@ -416,8 +416,8 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
                                        "anchor": o.anchor, "contrastive": o.contrastive, "n_tokens": o.n_tokens})
             o.kl, o.composer_kl, o.delta, o.anchor = red["kl"], red["composer_kl"], red["delta"], red["anchor"]
             o.contrastive, o.n_tokens = red["contrastive"], int(red["n_tokens"])
-            o.composer_loss = (o.composer_kl + tr.state.beta * (t.margin_m - o.delta) + t.anchor_lambda * o.anchor
-                               + t.contrastive_weight * o.contrastive)
+            o.composer_loss = (o.composer_kl + tr.state.beta * (t.lopd.margin_m - o.delta) + t.lopd.anchor_lambda * o.anchor
+                               + t.lopd.contrastive_weight * o.contrastive)
             o.finite = all(map(math.isfinite, (o.kl, o.composer_kl, o.delta, o.anchor)))
         row.update(loss=o.kl, kl=o.kl)
         if o.gate is not None:
@@ -426,8 +426,8 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
             # margin_binds: the constraint Δ ≥ m is violated this step (β rises); None when the
             # centred Δ is undefined (all rewards equal: no dual step).
             row.update(delta=o.delta, anchor=o.anchor, composer_loss=o.composer_loss,
-                       margin_defined=o.margin_defined, margin_binds=(o.delta < t.margin_m) if o.margin_defined else None)
-            if t.contrastive_weight > 0:
+                       margin_defined=o.margin_defined, margin_binds=(o.delta < t.lopd.margin_m) if o.margin_defined else None)
+            if t.lopd.contrastive_weight > 0:
                 row["contrastive"] = o.contrastive
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
     comp_params = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
@@ -448,7 +448,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
             if tr.composer_sched is not None:
                 tr.composer_sched.step()
             if o.margin_defined:
-                tr.state.beta = dual_update(tr.state.beta, t.margin_m, o.delta, t.eta_beta)
+                tr.state.beta = dual_update(tr.state.beta, t.lopd.margin_m, o.delta, t.lopd.eta_beta)
         tr.state.nonfinite_streak = 0
     else:
         tr.student_opt.zero_grad(set_to_none=True)
@@ -500,7 +500,7 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     t0 = time.perf_counter()
     tasks, group_ids = pick_tasks(tr)
     # Distributed: the same global task list on every rank, each rolling out its own share.
-    dist.check_step_split(len(tasks), tr.recipe.train.group_size if tr.algo == "grpo" else None)
+    dist.check_step_split(len(tasks), tr.recipe.train.grpo.group_size if tr.algo == "grpo" else None)
     lo, hi = dist.shard_range(len(tasks))
     local = rollouts(tr, tasks[lo:hi], step, progress, index_offset=lo)
     episodes = dist.gather_lists(local)
@@ -537,7 +537,7 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     if tr.state.nonfinite_streak >= tr.recipe.train.max_nonfinite:
         raise LopdError(
             f"step {step}: non-finite loss or gradient in {tr.state.nonfinite_streak} steps in a row; "
-            "stopped without writing a checkpoint (lower train.lr / train.composer_lr, or check the data)"
+            "stopped without writing a checkpoint (lower train.lr / train.lopd.composer_lr, or check the data)"
         )
     return row
 
@@ -636,7 +636,7 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, resume: bool) -> Path | None:
     if resume:
         if not (run_dir / "recipe.yaml").is_file():
             raise LopdError(f"--resume: {run_dir} is not a run folder (no recipe.yaml)")
-        saved = load_recipe(run_dir / "recipe.yaml")
+        saved = load_recipe(run_dir / "recipe.yaml", upgrade=True)  # a run an earlier lopd wrote resumes
         mine = recipe.model_dump(exclude={"train": {"steps", "save_every", "eval_every"}})
         theirs = saved.model_dump(exclude={"train": {"steps", "save_every", "eval_every"}})
         if mine != theirs:

@@ -432,7 +432,7 @@ def privileged_margin(
 
     teacher/student token log-probs (B, T) of the taken actions; reward (B,) with A = 2r − 1
     (∈ [−1, 1] for r ∈ [0, 1]). Gradient flows into the teacher side only. 0 if nothing is
-    supervised. `train.margin_advantage: paper`.
+    supervised. `train.lopd.margin_advantage: paper`.
 
     Why it is not the default: on the student's own samples E[δ] = −KL(S‖T) ≤ 0, so
     Δ ≈ (1 − 2r̄)·KL + a covariance term; when most rollouts fail, any teacher that merely
@@ -448,7 +448,7 @@ def centred_margin(
     teacher_token_logprobs: Tensor, student_token_logprobs: Tensor, advantages: Tensor, mask: Tensor
 ) -> Tensor:
     """Δ_c = sequence_mean of A(τ)·δ with centred advantages (`centred_advantages`): the default,
-    `train.margin_advantage: centred`.
+    `train.lopd.margin_advantage: centred`.
 
     With batch centring Δ_c = 2·Cov_τ(r, δ̄_τ), δ̄_τ = the token mean of δ in rollout τ: the
     teacher is privileged when it is more likely than the student on successful rollouts
@@ -523,7 +523,7 @@ def dual_update(beta: float, margin_m: float, delta: float | Tensor, eta: float)
 
     Units: Δ and m are nats per token, so η is β per nat. The paper's η = 0.5 with m = 0.05 moves
     β by at most 0.025 a step (≈ 0.2 in 8 steps): inert in short runs. The recipe default is
-    `train.eta_beta = 10` = 0.5 / 0.05, i.e. a shortfall of one default margin raises β by 0.5.
+    `train.lopd.eta_beta = 10` = 0.5 / 0.05, i.e. a shortfall of one default margin raises β by 0.5.
     """
     d = float(delta.detach()) if isinstance(delta, Tensor) else float(delta)
     return max(0.0, float(beta) + float(eta) * (float(margin_m) - d))

@@ -11,7 +11,7 @@ transcript tokenisation the cold start uses (`agent/chat.py` `tokenize_transcrip
 on assistant-written tokens only (tool calls, answers, their end-of-turn token), never on the
 prompt or tool results.
 
-Each step draws `train.sft_batch` items (default `rollout.rollouts_per_step`) with the seeded,
+Each step draws `train.sft.batch` items (default `rollout.rollouts_per_step`) with the seeded,
 checkpointed sampler the task sampler uses (epoch-wise shuffles of the pool), and takes one
 optimiser step on the token-mean NLL of their action tokens — chunked over micro-batches
 (`train.micro_batch`) and logit positions (`train.logit_chunk`). Under torchrun the batch is
@@ -118,7 +118,7 @@ def _ensure_pool(tr: "Trainer") -> list[Episode]:
 
 
 def batch_size(recipe) -> int:
-    return recipe.train.sft_batch or recipe.rollout.rollouts_per_step
+    return recipe.train.sft.batch or recipe.rollout.rollouts_per_step
 
 
 def nll_update(tr: "Trainer", local: list[Episode], total_tokens: int) -> tuple[float, int]:
