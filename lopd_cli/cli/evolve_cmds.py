@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from lopd_cli.cli.common import DebugOpt, JsonOpt, ProjectOpt, RecipeOpt, SetOpt, console, err_console, print_json
+from lopd_cli.cli.common import DebugOpt, JsonOpt, ProjectOpt, RecipeOpt, SetOpt, print_json
 
 
 def evolve(
@@ -29,7 +29,9 @@ def evolve(
 
     proj = open_project(project)
     ev = open_evolve(proj, recipe, list(set_ or []), run, rounds, algo, resume)
-    say = (lambda line: err_console.print(line, highlight=False)) if as_json else (lambda line: console.print(line, highlight=False))
+    def say(line: str) -> None:  # plain lines: a log keeps each whole (rich would wrap them at 80 columns)
+        typer.echo(line, err=as_json)
+
     say(f"{'resuming' if resume else 'evolve run'} {ev.run_dir} ({ev.state['algo']}, {ev.state['rounds_wanted']} round(s))")
     result = run_evolve(ev, say)
     if as_json:
@@ -37,10 +39,10 @@ def evolve(
                     "rounds": result.rounds})
         return
     inc = result.incumbent
-    console.print(f"[green]done[/green]: {result.run_dir} ({result.stopped}); incumbent: round {inc['round']} "
-                  f"({inc['method']}), validation success {100 * inc['success']['mean']:.1f} %", highlight=False)
+    say(f"done: {result.run_dir} ({result.stopped}); incumbent: round {inc['round']} ({inc['method']}), "
+        f"validation success {100 * inc['success']['mean']:.1f} %")
     if inc["checkpoint"]:
-        console.print(f"  next: lopd eval --checkpoint {result.run_dir}", highlight=False)
+        say(f"  next: lopd eval --checkpoint {result.run_dir}")
 
 
 def register(app: typer.Typer) -> None:
