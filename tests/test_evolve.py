@@ -190,7 +190,7 @@ def test_sigkill_mid_round_then_resume_gives_the_uninterrupted_bank_and_incumben
     assert [strip(r) for r in rows_a] == [strip(r) for r in rows_b]
     wa, wb = _weights((straight.runs_dir / "x" / "incumbent").resolve()), _weights((run / "incumbent").resolve())
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert (run / "incumbent").resolve().parts[-4:-2] == ("train-sft", "checkpoints")
+    assert (run / "incumbent").resolve().parts[-4:] == ("r02", "train-sft", "checkpoints", "step_2")
 
 
 # ----------------------------------------------------------------------------- a worse student, a trained student
