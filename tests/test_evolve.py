@@ -290,3 +290,21 @@ def test_bad_input_is_a_one_line_error(template, lopd, tmp_path):
     assert "runs/taken already exists (use --resume to continue it, or another --run)" in err("--run", "taken")
     assert "unknown key 'roundz' in section 'evolve'" in err("--set", "evolve.roundz=2")
     assert not any((proj.runs_dir / n).exists() for n in ("b", "v", "s")), "a refused run leaves no folder"
+
+
+def test_patience_and_rounds_stop_a_run(template):
+    from lopd_cli.agent.runner import make_env_factory
+    from lopd_cli.pipeline.evolve import EvolveRun, _load_recipe, _stop_reason
+
+    path = template.recipes_dir / "toolcall.yaml"
+    r = _load_recipe(path, [*SMALL, "evolve.patience=2", "evolve.rollout_budget=20"])
+    run = EvolveRun(template, r, path, [], template.runs_dir / "none",
+                    {"rounds_wanted": 4, "since_rise": 1, "rollouts_total": 8, "algo": "sft"})
+    envf = make_env_factory(r)
+    assert _stop_reason(run, envf, 2) is None
+    run.state["since_rise"] = 2
+    assert _stop_reason(run, envf, 3) == "evolve.patience: 2 round(s) without a rise in validation success"
+    run.state["since_rise"] = 0
+    run.state["rollouts_total"] = 15  # + 6 > 20
+    assert _stop_reason(run, envf, 3).startswith("evolve.rollout_budget: round 3 would spend 6 rollouts, 15 of 20")
+    assert _stop_reason(run, envf, 5) == "4 round(s) done"

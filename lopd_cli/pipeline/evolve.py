@@ -246,7 +246,9 @@ def _load_recipe(path: Path, overrides: list[str], train: dict[str, Any] | None 
         node = data
         *parents, leaf = TRAIN_KEYS[key].split(".")
         for p in parents:
-            node = node.setdefault(p, {}) or {}
+            if not isinstance(node.get(p), dict):  # absent, or an empty section (`train:`)
+                node[p] = {}
+            node = node[p]
         node[leaf] = value
     return recipe_from_dict(data, where=str(path), source=path)
 
