@@ -256,6 +256,36 @@ class EvalSection(Section):
         description="An episode succeeds when its reward reaches this (training metrics, validation, eval).")
 
 
+class EvolveSection(Section):
+    """`lopd evolve`: rounds of (roll out the incumbent → bank → train → gated replacement)."""
+
+    rounds: int = Field(4, ge=1, description="Rounds to run (--rounds overrides).")
+    algo: Literal["sft", "lopd", "opsd", "grpo", "auto"] = Field(
+        "auto", description="Each round's training method; auto: SFT, plus LOPD in round 1 when the cold start's "
+                            "check found a teacher advantage, then the method that won on validation.")
+    samples_per_task: int = Field(1, ge=1, description="Rollouts of the incumbent per training task per round (k).")
+    tasks_per_round: int | None = Field(
+        None, ge=1, description="Training tasks rolled out per round, a fresh seeded draw each round; None: all of them.")
+    temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of the rounds' rollouts; "
+                                                                "None: rollout.temperature.")
+    start: Literal["base", "incumbent"] = Field(
+        "base", description="Where each round's training starts: the starting model (base, or train.init_from), "
+                            "trained afresh on the grown bank, or the incumbent, trained further (docs/evolve.md).")
+    steps: int | None = Field(None, ge=1, description="Training steps per round; None: train.steps.")
+    rollout_budget: int | None = Field(
+        None, ge=1, description="Rollouts the student may generate across rounds (the rounds' rollouts plus those "
+                                "LOPD, OPSD and GRPO generate while training; validation is not counted); a run "
+                                "stops before a round that would exceed it. None: unlimited.")
+    patience: int | None = Field(None, ge=1, description="Stop after this many rounds without a rise in the "
+                                                         "incumbent's validation success; None: off.")
+    val_n: int | None = Field(64, ge=1, description="Validation tasks of the gate (the same ones, greedy, every "
+                                                    "round); None: the whole validation split.")
+    refresh_composer: int = Field(
+        0, ge=0, description="LOPD: steps of a fresh cold start on the grown bank before each round's training; "
+                             "0: keep the project's cold-start composer.")
+    seed: int = Field(0, description="Seeds each round's task draw, sampling and training (with the round number).")
+
+
 class Recipe(Section):
     name: str | None = Field(None, description="Recipe name; `lopd report` groups runs by name and algorithm.")
     description: str | None = Field(None, description="Free text about the recipe.")
@@ -274,6 +304,8 @@ class Recipe(Section):
         default_factory=TrainSection,
         description="`lopd train`: keys every algorithm reads, then one section per algorithm.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Validation and `lopd eval`.")
+    evolve: EvolveSection = Field(
+        default_factory=EvolveSection, description="`lopd evolve`: rounds of rollout → bank → train → validation gate.")
 
     # Where the recipe came from: relative plugin paths resolve against its folder.
     source: Path | None = Field(None, exclude=True)

@@ -238,6 +238,11 @@ def build_report(run_dirs: Sequence[Path]) -> Report:
 
     if not run_dirs:
         raise LopdError("give at least one run folder (runs/RUN)")
+    evolves = [Path(d) for d in run_dirs if (Path(d) / "evolve.json").is_file()]
+    if evolves:
+        if len(evolves) != len(run_dirs):
+            raise LopdError(f"{evolves[0]} is an evolve run: report evolve runs apart from training runs")
+        return build_evolve_report(evolves)
     runs = [load_run(Path(d)) for d in run_dirs]
     groups = group_runs(runs)
     colours = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(groups)}
@@ -285,3 +290,69 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Report:
     out.parent.mkdir(parents=True, exist_ok=True)
     report.figure.savefig(out, dpi=110)
     return report
+
+
+# ----------------------------------------------------------------------------- evolve runs
+
+
+def build_evolve_report(run_dirs: Sequence[Path]) -> Report:
+    """`lopd report runs/EVOLVE`: each round's validation success (95 % Wilson interval; hollow
+    markers: rejected candidates) and the incumbent's, against rounds and against rollouts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lopd_cli.evaluate import fmt_interval, Interval
+    from lopd_cli.pipeline.evolve import read_rounds
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
+    header = ["run", "round", "method", "rollouts", "bank rows", "successes added", "duplicates",
+              "validation success (95 % CI)", "paired diff (95 % CI)", "accepted"]
+    rows, series, final = [], {"evolve/validation_by_round": [], "evolve/validation_by_rollouts": []}, {}
+    for i, d in enumerate(run_dirs):
+        rounds = read_rounds(d)
+        colour = plt.get_cmap("tab10")(i % 10)
+        name = Path(d).name
+        val = [r["validation"] for r in rounds]
+        inc_by_round = {r["round"]: r for r in rounds}
+        incumbent = [inc_by_round[r["incumbent_round"]]["validation"]["mean"] for r in rounds]
+        for ax, x_key, key in ((axes[0], "round", "evolve/validation_by_round"),
+                               (axes[1], "rollouts_total", "evolve/validation_by_rollouts")):
+            xs = [r[x_key] for r in rounds]
+            means = [v["mean"] for v in val]
+            # max(0, …): at 0/n Wilson's low end can sit a rounding error above the estimate.
+            err = [[max(0.0, m - v["low"]) for m, v in zip(means, val)], [max(0.0, v["high"] - m) for m, v in zip(means, val)]]
+            ax.errorbar(xs, means, yerr=err, fmt="none", ecolor=colour, alpha=0.5, capsize=3)
+            acc = [j for j, r in enumerate(rounds) if r["accepted"]]
+            rej = [j for j, r in enumerate(rounds) if not r["accepted"]]
+            ax.plot([xs[j] for j in acc], [means[j] for j in acc], "o", color=colour, label=f"{name}: accepted")
+            if rej:
+                ax.plot([xs[j] for j in rej], [means[j] for j in rej], "o", mfc="none", color=colour,
+                        label=f"{name}: rejected")
+            ax.step(xs, incumbent, where="post", color=colour, label=f"{name}: incumbent")
+            series[key].append(Series(name, [float(x) for x in xs], means, [v["low"] for v in val],
+                                      [v["high"] for v in val], seeds=1))
+        for r in rounds:
+            pd = r.get("paired_diff")
+            rows.append([name, str(r["round"]), r["method"], str(r["rollouts_total"]), str(r.get("bank_size", "-")),
+                         str(r.get("successes_added", "-")), str(r.get("duplicates", "-")),
+                         fmt_interval(Interval(r["validation"]["mean"], r["validation"]["low"], r["validation"]["high"],
+                                               r["validation"]["n"]), percent=True),
+                         "-" if not pd else fmt_interval(Interval(pd["mean"], pd["low"], pd["high"], pd["n"])),
+                         "yes" if r["accepted"] else "no"])
+        last = rounds[-1]
+        final[name] = {"rounds": len(rounds) - 1, "incumbent_round": last["incumbent_round"],
+                       "incumbent_validation": inc_by_round[last["incumbent_round"]]["validation"],
+                       "rollouts_total": last["rollouts_total"]}
+    for ax, xlabel in zip(axes, ("round", "rollouts (evolve's own, training included)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation success")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_title("validation success by round (greedy, same tasks; 95 % Wilson)")
+    axes[1].set_title("validation success by rollouts spent")
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(f"lopd report: {len(run_dirs)} evolve run(s)")
+    return Report(fig, series, header, rows, final)

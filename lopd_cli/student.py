@@ -286,3 +286,22 @@ def merged_init_backbone(info: CheckpointInfo, run_dir: Path, dtype: str = "floa
     export_merged(info, out, dtype=save_dtype, device="cpu", atol=atol, rtol=rtol,
                   search_dirs=search_dirs, force=True)
     return out
+
+
+def load_policy(recipe, search_dirs: Iterable[Path] = (), checkpoint: str | Path | None = None,
+                model: str | None = None, runs_dir: Path | None = None):
+    """(model, tokenizer, meta) of whichever policy a command rolls out: a trained student
+    (`checkpoint`: what `--checkpoint` accepts), another model (`model`: a transformers folder or
+    an embedded name), else the recipe's backbone. `meta` says which produced the episodes
+    (`model`, and `checkpoint`: the step folder), for the records' meta."""
+    from lopd_cli.models.backbone import load_backbone
+
+    if checkpoint is not None and model is not None:
+        raise LopdError("give --checkpoint or --model, not both")
+    if checkpoint is not None:
+        info = read_checkpoint(resolve_checkpoint(checkpoint, runs_dir=runs_dir))
+        m, tok = load_student(info, recipe.model.dtype, recipe.model.device, search_dirs)
+        return m, tok, {"model": info.backbone, "checkpoint": str(info.path)}
+    spec = model or recipe.model.backbone
+    m, tok = load_backbone(spec, recipe.model.dtype, recipe.model.device, list(search_dirs))
+    return m, tok, {"model": spec}
