@@ -261,21 +261,20 @@ class EvolveSection(Section):
 
     rounds: int = Field(4, ge=1, description="Rounds to run (--rounds overrides).")
     algo: Literal["sft", "lopd", "opsd", "grpo", "auto"] = Field(
-        "auto", description="Each round's training method; auto: SFT, plus LOPD in round 1 when the cold start's "
-                            "check found a teacher advantage, then the method that won on validation.")
+        "auto", description="Each round's method; auto: SFT, and LOPD too in round 1 if the check found a teacher "
+                            "advantage; then the validation winner.")
     samples_per_task: int = Field(1, ge=1, description="Rollouts of the incumbent per training task per round (k).")
     tasks_per_round: int | None = Field(
         None, ge=1, description="Training tasks rolled out per round, a fresh seeded draw each round; None: all of them.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of the rounds' rollouts; "
                                                                 "None: rollout.temperature.")
     start: Literal["base", "incumbent"] = Field(
-        "base", description="Where each round's training starts: the starting model (base, or train.init_from), "
-                            "trained afresh on the grown bank, or the incumbent, trained further (docs/evolve.md).")
+        "base", description="Where each round's training starts: the starting model, trained afresh on the grown "
+                            "bank (base), or the incumbent.")
     steps: int | None = Field(None, ge=1, description="Training steps per round; None: train.steps.")
     rollout_budget: int | None = Field(
-        None, ge=1, description="Rollouts the student may generate across rounds (the rounds' rollouts plus those "
-                                "LOPD, OPSD and GRPO generate while training; validation is not counted); a run "
-                                "stops before a round that would exceed it. None: unlimited.")
+        None, ge=1, description="Rollouts the student may generate in all (rounds' rollouts and LOPD/OPSD/GRPO "
+                                "training; not validation); None: no limit.")
     patience: int | None = Field(None, ge=1, description="Stop after this many rounds without a rise in the "
                                                          "incumbent's validation success; None: off.")
     val_n: int | None = Field(64, ge=1, description="Validation tasks of the gate (the same ones, greedy, every "
