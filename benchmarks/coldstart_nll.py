@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None) -> dict:
     from lopd_cli.bank.index import build_index
     from lopd_cli.bank.retrieve import Retriever
     from lopd_cli.bank.store import Bank
+    from lopd_cli.compose.composer import Composer
     from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import scripted_agent_records
-    from lopd_cli.models.composer import Composer
-    from lopd_cli.scaffold import create_project
+    from lopd_cli.envs.orders_agent import scripted_agent_records
+    from lopd_cli.project.scaffold import create_project
     from lopd_cli.train.coldstart import holdout_split, latent_task_spread, make_examples, teacher_nll, run_coldstart
 
     root = Path(args.out or tempfile.mkdtemp(prefix="lopd-coldstart-"))

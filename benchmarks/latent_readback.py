@@ -26,11 +26,11 @@ from pathlib import Path
 
 
 def main() -> None:
+    from lopd_cli.agent.plugins import load_env_class
     from lopd_cli.bank.retrieve import Retriever
+    from lopd_cli.compose.composer import Composer
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.composer import Composer
-    from lopd_cli.plugins import load_env_class
     from lopd_cli.project import open_project
     from lopd_cli.runtime import setup_torch
     from lopd_cli.train.check import rule_token_mask

@@ -22,11 +22,11 @@ import torch
 
 
 def main() -> None:
+    from lopd_cli.agent.plugins import load_env_class
     from lopd_cli.bank.retrieve import Retriever
+    from lopd_cli.compose.latent import build_teacher_batch, output_head, teacher_hidden, text_teacher_prompt_ids
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.latent import build_teacher_batch, output_head, teacher_hidden, text_teacher_prompt_ids
-    from lopd_cli.plugins import load_env_class
     from lopd_cli.project import open_project
     from lopd_cli.runtime import setup_torch
     from lopd_cli.train.check import other_task_partners, rule_token_mask

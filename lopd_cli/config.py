@@ -85,7 +85,7 @@ class ComposerSection(Section):
     # 48 tasks × 30 steps, "all" kept more task spread, 3.5 % vs 1.6 %, 6.3 % vs 5.7 % with the
     # contrastive term and warm-up). The encoder ψ reads the whole text either way.
     key_tokens: Literal["content", "all"] = "all"
-    # What χ's inputs are (models/composer.py, "Input normalisation"): the encoder's states
+    # What χ's inputs are (compose/composer.py, "Input normalisation"): the encoder's states
     # "standardise"d per dimension by their mean and standard deviation over the bank's tokens,
     # only "centre"d, or as they are ("none", the reference code).
     input_norm: Literal["none", "centre", "standardise"] = "none"

@@ -30,10 +30,10 @@ import torch
 
 from lopd_cli.agent.chat import render_prompt_ids, tokenize_transcript
 from lopd_cli.agent.types import Episode, Task
+from lopd_cli.compose.composer import Composer
+from lopd_cli.compose.latent import TeacherBatch, build_teacher_batch, output_head, teacher_hidden, text_teacher_prompt_ids
+from lopd_cli.compose.latent_cache import LatentCache
 from lopd_cli.errors import LopdError
-from lopd_cli.models.composer import Composer
-from lopd_cli.models.latent import TeacherBatch, build_teacher_batch, output_head, teacher_hidden, text_teacher_prompt_ids
-from lopd_cli.models.latent_cache import LatentCache
 from lopd_cli.train.losses import chunked_token_logprobs
 
 COMPOSER_DIR = "composer"
@@ -188,9 +188,9 @@ def teacher_token_logprobs(model, batch: TeacherBatch, latents: torch.Tensor, ch
 
 def plain_teacher_token_logprobs(model, episodes: Sequence[Episode], chunk_size: int = 1024) -> torch.Tensor:
     """The same tokens scored by the frozen backbone with no reference block at all."""
+    from lopd_cli.compose.composer import decoder_of
+    from lopd_cli.compose.latent import decoder_hidden
     from lopd_cli.models.adapters import teacher_view
-    from lopd_cli.models.composer import decoder_of
-    from lopd_cli.models.latent import decoder_hidden
 
     device = next(model.parameters()).device
     T = max(len(e.input_ids) for e in episodes)
@@ -537,11 +537,11 @@ def build_anchor_cache(composer: Composer, retriever, tasks: Sequence[Task], n_r
 
 def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) -> dict:
     """`lopd coldstart`: load the backbone once, train φ, save the composer and the c_φ0 cache."""
+    from lopd_cli.agent.plugins import load_env_class
     from lopd_cli.bank.embed import embedder_fingerprint
     from lopd_cli.bank.retrieve import Retriever
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.plugins import load_env_class
     from lopd_cli.runtime import seed_everything
     from lopd_cli.train.metrics import MetricsLog
 
@@ -558,7 +558,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         if recipe.train.teacher == "init":
             # The teacher LOPD will have after `train.init_from` (e.g. SFT): the warm-start model,
             # merged (as `lopd train` does), so the composer and the check are about that teacher.
-            from lopd_cli.student import init_source, merged_init_backbone
+            from lopd_cli.models.student import init_source, merged_init_backbone
 
             backbone = str(merged_init_backbone(init_source(project, recipe), run_dir, recipe.model.dtype, search))
         model, tokenizer = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search_dirs=search)

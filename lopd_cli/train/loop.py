@@ -102,7 +102,7 @@ class Trainer:
 
 def find_composer(project: Project, recipe: Recipe) -> Path:
     """`train.composer_from`, else the newest composer `lopd coldstart` saved in the project."""
-    from lopd_cli.models.composer import MANIFEST
+    from lopd_cli.compose.composer import MANIFEST
 
     if recipe.train.composer_from:
         p = project.path(recipe.train.composer_from)
@@ -195,7 +195,7 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
 def init_teacher_backbone(project: Project, recipe: Recipe, run_dir: Path) -> Path:
     """`train.teacher: init`: the run's own backbone folder, `init_from`'s student merged (made
     by rank 0 on the run's first start; a resume reuses it without looking at the source)."""
-    from lopd_cli.student import existing_init_backbone, init_source, merged_init_backbone
+    from lopd_cli.models.student import existing_init_backbone, init_source, merged_init_backbone
 
     found = existing_init_backbone(run_dir)
     if found is not None:
@@ -211,8 +211,8 @@ def _embedder_fp(retriever) -> str | None:
 
 
 def _setup_composer(tr: Trainer) -> None:
-    from lopd_cli.models.composer import Composer
-    from lopd_cli.models.latent_cache import LatentCache
+    from lopd_cli.compose.composer import Composer
+    from lopd_cli.compose.latent_cache import LatentCache
 
     recipe = tr.recipe
     tr.composer_dir = find_composer(tr.project, recipe)
@@ -282,7 +282,7 @@ def retrieve_refs(tr: Trainer, episodes: list[Episode]) -> list[list]:
 
 def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
     """OPSD's privileged context: the retrieved trajectories as plain text in the first user turn."""
-    from lopd_cli.models.latent import text_teacher_prompt_ids
+    from lopd_cli.compose.latent import text_teacher_prompt_ids
 
     budget = tr.recipe.bank.obs_char_budget
     max_chars = text_reference_chars(tr.recipe)
@@ -599,7 +599,7 @@ def check_world_size(step_dir: Path, meta: dict | None = None) -> None:
 
 
 def restore(tr: Trainer, step_dir: Path) -> None:
-    from lopd_cli.models.composer import Composer
+    from lopd_cli.compose.composer import Composer
 
     meta = ckpt.read_checkpoint_meta(step_dir)
     if meta.get("algo") != tr.algo:
@@ -660,7 +660,7 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
 
     Under torchrun / accelerate launch (WORLD_SIZE > 1) every rank calls this with the same
     arguments; rank 0 alone writes the run folder, metrics and checkpoints."""
-    from lopd_cli.student import init_source, warm_start
+    from lopd_cli.models.student import init_source, warm_start
 
     dist.init_from_env()
     init = None if resume else init_source(project, recipe)  # its errors before the run folder exists
@@ -673,7 +673,7 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
     if step_dir is not None:
         restore(tr, step_dir)
     elif init is not None and recipe.train.teacher == "init":
-        from lopd_cli.student import source_record
+        from lopd_cli.models.student import source_record
 
         tr.extra["init_from"] = source_record(init)  # already the backbone; the student adapter starts fresh
     elif init is not None:

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lopd_cli.agent.types import Episode, Task
+from lopd_cli.compose.latent import output_head
 from lopd_cli.errors import LopdError
 from lopd_cli.models.adapters import use_student
-from lopd_cli.models.latent import output_head
 from lopd_cli.train import distributed as dist
 from lopd_cli.train import losses
 from lopd_cli.train.batch import batch_totals, collate, student_hidden

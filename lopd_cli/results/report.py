@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import yaml
 
 from lopd_cli.errors import LopdError
-from lopd_cli.evaluate import markdown_table, mean_interval
+from lopd_cli.results.evaluate import markdown_table, mean_interval
 
 
 @dataclass(frozen=True)

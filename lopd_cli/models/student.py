@@ -257,7 +257,7 @@ RUN_BACKBONE = "backbone"  # runs/RUN/backbone/NAME/: a `train.teacher: init` ru
 
 def existing_init_backbone(run_dir: Path) -> Path | None:
     """The merged backbone folder a `train.teacher: init` run made on its first start, if any."""
-    from lopd_cli.export import EXPORT_INFO_FILE
+    from lopd_cli.results.export import EXPORT_INFO_FILE
 
     found = sorted((Path(run_dir) / RUN_BACKBONE).glob(f"*/{EXPORT_INFO_FILE}"))
     return found[0].parent if found else None
@@ -272,8 +272,8 @@ def merged_init_backbone(info: CheckpointInfo, run_dir: Path, dtype: str = "floa
     starts equal to it. The name is kept because a composer is matched to its backbone by
     architecture and folder name: the cold-start composer of the plain backbone applies. Written
     once: a resumed run reuses the folder, whatever the source run has done since."""
-    from lopd_cli.export import export_merged
     from lopd_cli.models.backbone import resolve_backbone
+    from lopd_cli.results.export import export_merged
 
     found = existing_init_backbone(run_dir)
     if found is not None:

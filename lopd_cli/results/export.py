@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Iterable
 
 from lopd_cli.errors import LopdError
-from lopd_cli.student import CheckpointInfo, adapter_dir, backbone_source, load_student
+from lopd_cli.models.student import CheckpointInfo, adapter_dir, backbone_source, load_student
 
 # Prompts for the logit check: a plain chat, a tool-call style request and a code request.
 CHECK_CONVERSATIONS: list[list[dict]] = [

@@ -1,0 +1,1 @@
+"""Pipelines: drivers that chain the stages (bank → retrieve → compose → teach → distill → export)."""
