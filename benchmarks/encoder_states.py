@@ -23,7 +23,8 @@ from lopd_cli.models.adapters import attach_adapters
 from lopd_cli.models.backbone import load_backbone
 from lopd_cli.project import open_project
 from lopd_cli.runtime import seed_everything
-from lopd_cli.train.coldstart import evenly_spaced, holdout_split, input_norm_sequences, latent_task_spread, make_examples
+from lopd_cli.train.coldstart import evenly_spaced, holdout_split, input_norm_sequences, make_examples
+from lopd_cli.train.teacher_nll import latent_task_spread
 
 recipe_name = sys.argv[1] if len(sys.argv) > 1 else "toolcall"
 torch.set_flush_denormal(True)

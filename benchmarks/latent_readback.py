@@ -34,8 +34,8 @@ def main() -> None:
     from lopd_cli.project import open_project
     from lopd_cli.runtime import setup_torch
     from lopd_cli.train.check import rule_token_mask
-    from lopd_cli.train.coldstart import Example, holdout_split, make_examples, teacher_example_logprobs
-    from lopd_cli.train.loop import text_reference_chars
+    from lopd_cli.train.coldstart import Example, holdout_split, make_examples
+    from lopd_cli.train.teacher_nll import teacher_example_logprobs, text_reference_chars
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("project", type=Path)

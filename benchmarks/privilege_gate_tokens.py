@@ -31,7 +31,7 @@ def main() -> None:
     from lopd_cli.runtime import setup_torch
     from lopd_cli.train.check import other_task_partners, rule_token_mask
     from lopd_cli.train.coldstart import holdout_split, make_examples
-    from lopd_cli.train.loop import text_reference_chars
+    from lopd_cli.train.teacher_nll import text_reference_chars
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("project", type=Path)

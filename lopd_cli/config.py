@@ -202,7 +202,7 @@ class TrainSection(Section):
     # paper, and init_from's student is loaded as this run's student. "init": init_from's student
     # merged into the backbone becomes this run's backbone (written once to runs/RUN/backbone/NAME/),
     # so the teacher is the warm-start model and a fresh student adapter starts equal to it
-    # (student.py `merged_init_backbone`). LoRA students only.
+    # (train/init_backbone.py `merged_init_backbone`). LoRA students only.
     teacher: Literal["base", "init"] = "base"
     seed: int = 0
 

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from lopd_cli.compose.latent_cache import LatentCache, cache_key
 from lopd_cli.errors import LopdError
-from lopd_cli.train.coldstart import same_norm_random, split_by_task
+from lopd_cli.train.coldstart import split_by_task
+from lopd_cli.train.teacher_nll import same_norm_random
 
 
 @dataclass
@@ -71,7 +72,8 @@ def test_coldstart_cli_end_to_end(tmp_path):
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
     from lopd_cli.project.scaffold import create_project
-    from lopd_cli.train.coldstart import make_examples, teacher_nll
+    from lopd_cli.train.coldstart import make_examples
+    from lopd_cli.train.teacher_nll import teacher_nll
 
     project = create_project(tmp_path / "p", example="orders", model="tiny", base_policy=False)
     sets = ["env.kwargs={n_train: 8}", "coldstart.steps=2", "coldstart.batch_size=2", "coldstart.eval_every=1",
@@ -146,7 +148,8 @@ def test_coldstart_cli_end_to_end(tmp_path):
         alone = teacher_nll(model, tok, composer, examples[:1], "shuffled", batch_size=1)
         assert alone == pytest.approx(teacher_nll(model, tok, composer, examples[:1], "learned", batch_size=1))
         # Different references give different latents; the same ones given to every task, none.
-        from lopd_cli.train.coldstart import Example, latent_task_spread
+        from lopd_cli.train.coldstart import Example
+        from lopd_cli.train.teacher_nll import latent_task_spread
 
         assert latent_task_spread(composer, examples[:4], batch_size=3) > 1e-3
         import dataclasses

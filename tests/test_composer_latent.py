@@ -226,7 +226,8 @@ def test_save_load_roundtrip_and_backbone_mismatch(setup, tmp_path):
 def test_teacher_nll_reports_progress_per_batch(setup):
     """The cold start's "validation NLL before training" counter: one call per batch, summing to
     the number of examples, and the same NLL with or without it."""
-    from lopd_cli.train.coldstart import Example, teacher_nll
+    from lopd_cli.train.coldstart import Example
+    from lopd_cli.train.teacher_nll import teacher_nll
 
     model, tok, _, composer = setup
     refs = items(5)

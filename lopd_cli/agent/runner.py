@@ -37,7 +37,8 @@ from lopd_cli.agent.toolcalls import call_key, parse_tool_calls, to_openai_tool_
 from lopd_cli.agent.types import Episode, Task, ToolCall
 from lopd_cli.config import Recipe, RolloutSection
 from lopd_cli.errors import LopdError
-from lopd_cli.rollout.base import Backend, SamplingParams, make_backend
+from lopd_cli.rollout.base import Backend, SamplingParams
+from lopd_cli.rollout.factory import make_backend
 
 
 class ToolTimeout(Exception):

@@ -64,7 +64,7 @@ SPREAD = dict(steps=300, lr=1e-3, n_tasks=2048, plain_rules="random")  # n_tasks
 # demo's house rules are new to it, as a new store's would be to a team's existing agent.
 BASE_POLICY_RULES_SEED = 101
 # How reference text is cut: the orders-tiny recipe's bank.obs_char_budget and composer.max_item_tokens × 4
-# (what OPSD's teacher reads, lopd_cli.train.loop.text_reference_chars).
+# (what OPSD's teacher reads, lopd_cli.train.teacher_nll.text_reference_chars).
 REFERENCE_OBS_CHARS, REFERENCE_MAX_CHARS = 600, 1536
 
 

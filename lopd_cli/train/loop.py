@@ -47,7 +47,9 @@ from lopd_cli.train.distill import DistillSetup, distill_update
 from lopd_cli.train.grpo import GrpoSetup, grpo_update
 from lopd_cli.train.losses import dual_update
 from lopd_cli.train.metrics import MetricsLog, peak_memory_mb
+from lopd_cli.train.optim import _grad_norm, _student_params
 from lopd_cli.train.sampler import TaskSampler
+from lopd_cli.train.teacher_nll import text_reference_chars
 
 
 @dataclass
@@ -130,11 +132,6 @@ def lopd_generated_rollouts(project: Project, recipe: Recipe) -> int:
         return sum(1 for it in bank.iter_items(success_only=False) if it.meta.get("generated_by") == "lopd")
 
 
-def _student_params(model) -> list[torch.nn.Parameter]:
-    name = ad.STUDENT if ad.has_student_adapter(model) else ad.BASE
-    return ad.adapter_parameters(model, name)
-
-
 def contrastive_chunk_warning(t) -> str | None:
     """The one-line warning when the composer pass's chunks are smaller than micro_batch and the
     contrastive term is on: its pairs form within a chunk, so smaller chunks form fewer pairs."""
@@ -195,7 +192,8 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
 def init_teacher_backbone(project: Project, recipe: Recipe, run_dir: Path) -> Path:
     """`train.teacher: init`: the run's own backbone folder, `init_from`'s student merged (made
     by rank 0 on the run's first start; a resume reuses it without looking at the source)."""
-    from lopd_cli.models.student import existing_init_backbone, init_source, merged_init_backbone
+    from lopd_cli.models.student import init_source
+    from lopd_cli.train.init_backbone import existing_init_backbone, merged_init_backbone
 
     found = existing_init_backbone(run_dir)
     if found is not None:
@@ -307,11 +305,6 @@ def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
             "model the teacher")
 
 
-def text_reference_chars(recipe) -> int:
-    """Characters of each text reference: the same order of context as the composer reads."""
-    return recipe.composer.max_item_tokens * 4
-
-
 def _norm(params: list[torch.nn.Parameter]) -> float:
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return float(torch.stack(grads).norm()) if grads else 0.0
@@ -341,13 +334,6 @@ def composer_health_row(tr: Trainer, step: int) -> dict[str, Any]:
         warnings.warn(collapse_message(h["latent_task_spread"], t.min_task_spread, f"train step {step}"),
                       LopdWarning, stacklevel=2)
     return {f"composer/{k}": v for k, v in h.items()}
-
-
-def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return 0.0
-    return float(torch.nn.utils.clip_grad_norm_(params, clip))
 
 
 def composer_rows(tr: Trainer, episodes: list[Episode], step: int) -> list[bool] | None:
