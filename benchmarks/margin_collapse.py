@@ -1,6 +1,6 @@
 """Margin ablation on tiny: with m = 0 and the composer free, does Δ collapse toward 0?
 
-LOPD.md: "Without the margin, minimising the KL over φ pulls the teacher onto the student
+docs/algorithm.md: "Without the margin, minimising the KL over φ pulls the teacher onto the student
 (collapse)". Set-up (everything real, small):
 
     backbone   the tiny orders base policy (`cached_orders_base_policy()`: tiny trained by

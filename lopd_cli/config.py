@@ -1,7 +1,7 @@
 """Recipes: typed, validated YAML with `--set section.key=value` overrides.
 
 A recipe is the only thing that differs between a laptop run with the tiny model and an 8B run
-on GPUs. Defaults are the LOPD paper's (see LOPD.md); unknown keys are errors.
+on GPUs. Defaults are the LOPD paper's (see docs/algorithm.md); unknown keys are errors.
 """
 
 from __future__ import annotations

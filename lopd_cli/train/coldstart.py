@@ -1,4 +1,4 @@
-"""Cold start (LOPD.md, "Cold start"): SFT of the composer φ = (ψ, χ) with the backbone frozen.
+"""Cold start (docs/algorithm.md, "Cold start"): SFT of the composer φ = (ψ, χ) with the backbone frozen.
 
 For a successful bank rollout τ of task x, retrieve n_ret other successful rollouts (never of
 x's own task or instruction), compose c_φ, and train φ so the teacher — the frozen backbone with

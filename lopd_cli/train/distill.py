@@ -1,4 +1,4 @@
-"""One LOPD (or OPSD) update on a batch of student rollouts: phases 2–4 of LOPD.md.
+"""One LOPD (or OPSD) update on a batch of student rollouts: phases 2–4 of docs/algorithm.md, "The step".
 
     2. teacher pass: the frozen backbone (adapters off) on the teacher prompt — LOPD: latents
        c_φ from the composer in the placeholder positions; OPSD: the retrieved trajectories as
