@@ -25,6 +25,9 @@ from typing import Iterable
 from lopd_cli.errors import LopdError
 
 CHECKPOINT_FILE = "checkpoint.json"
+# What `lopd export` writes into the folder it exports to (results/export.py); a merged
+# `train.teacher: init` backbone is recognised by it.
+EXPORT_INFO_FILE = "lopd_export.json"
 
 
 @dataclass(frozen=True)
@@ -250,3 +253,12 @@ def init_source(project, recipe) -> CheckpointInfo | None:
                 raise LopdError(f"train.init_from: {spec} has a LoRA student with {key}={theirs}, this recipe's "
                                 f"model.lora.{key} is {ours} (the adapter continues as it is: use the same shape)")
     return info
+
+
+RUN_BACKBONE = "backbone"  # runs/RUN/backbone/NAME/: a `train.teacher: init` run's merged backbone
+
+
+def existing_init_backbone(run_dir: Path) -> Path | None:
+    """The merged backbone folder a `train.teacher: init` run made on its first start, if any."""
+    found = sorted((Path(run_dir) / RUN_BACKBONE).glob(f"*/{EXPORT_INFO_FILE}"))
+    return found[0].parent if found else None

@@ -9,17 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from lopd_cli.models.student import CheckpointInfo, backbone_source
-from lopd_cli.results.export import EXPORT_INFO_FILE, export_merged
-
-
-RUN_BACKBONE = "backbone"  # runs/RUN/backbone/NAME/: a `train.teacher: init` run's merged backbone
-
-
-def existing_init_backbone(run_dir: Path) -> Path | None:
-    """The merged backbone folder a `train.teacher: init` run made on its first start, if any."""
-    found = sorted((Path(run_dir) / RUN_BACKBONE).glob(f"*/{EXPORT_INFO_FILE}"))
-    return found[0].parent if found else None
+from lopd_cli.models.student import RUN_BACKBONE, CheckpointInfo, backbone_source, existing_init_backbone
+from lopd_cli.results.export import export_merged
 
 
 def merged_init_backbone(info: CheckpointInfo, run_dir: Path, dtype: str = "float32",

@@ -192,8 +192,8 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
 def init_teacher_backbone(project: Project, recipe: Recipe, run_dir: Path) -> Path:
     """`train.teacher: init`: the run's own backbone folder, `init_from`'s student merged (made
     by rank 0 on the run's first start; a resume reuses it without looking at the source)."""
-    from lopd_cli.models.student import init_source
-    from lopd_cli.train.init_backbone import existing_init_backbone, merged_init_backbone
+    from lopd_cli.models.student import existing_init_backbone, init_source
+    from lopd_cli.train.init_backbone import merged_init_backbone
 
     found = existing_init_backbone(run_dir)
     if found is not None:
