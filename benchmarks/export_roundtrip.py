@@ -25,10 +25,10 @@ def main() -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from lopd_cli.export import export_merged
     from lopd_cli.models.backbone import load_backbone, resolve_backbone
+    from lopd_cli.models.student import read_checkpoint
+    from lopd_cli.results.export import export_merged
     from lopd_cli.runtime import setup_torch
-    from lopd_cli.student import read_checkpoint
 
     setup_torch()
     work = Path(tempfile.mkdtemp(prefix="lopd-export-bench-"))

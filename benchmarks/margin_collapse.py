@@ -1,6 +1,6 @@
 """Margin ablation on tiny: with m = 0 and the composer free, does Δ collapse toward 0?
 
-LOPD.md: "Without the margin, minimising the KL over φ pulls the teacher onto the student
+docs/algorithm.md: "Without the margin, minimising the KL over φ pulls the teacher onto the student
 (collapse)". Set-up (everything real, small):
 
     backbone   the tiny orders base policy (`cached_orders_base_policy()`: tiny trained by
@@ -41,13 +41,14 @@ def build(args) -> dict:
 
     from lopd_cli.agent.runner import make_env_factory, run_episodes
     from lopd_cli.bank.store import BankItem
+    from lopd_cli.compose.composer import Composer
     from lopd_cli.config import load_recipe
     from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import cached_orders_base_policy, noisy_oracle_transcript
+    from lopd_cli.envs.orders_agent import noisy_oracle_transcript
     from lopd_cli.models import adapters as ad
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.composer import Composer
     from lopd_cli.project import packaged_recipe
+    from lopd_cli.train.base_policy import cached_orders_base_policy
     from lopd_cli.train.coldstart import Example, item_episode, train_composer
 
     torch.manual_seed(args.seed)

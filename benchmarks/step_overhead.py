@@ -71,7 +71,7 @@ def synthetic_batch(tok, n: int, length: int, n_action: int, n_ret: int, seed: i
     from lopd_cli.agent.types import Episode, Task
     from lopd_cli.bank.store import BankItem
     from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import noisy_oracle_transcript
+    from lopd_cli.envs.orders_agent import noisy_oracle_transcript
 
     rng = random.Random(seed)
     env = OrdersEnv()
@@ -115,11 +115,11 @@ class Bench:
     def __init__(self, model_name: str, args):
         import torch
 
+        from lopd_cli.compose.composer import Composer
+        from lopd_cli.compose.latent import output_head
         from lopd_cli.config import load_recipe
         from lopd_cli.models import adapters as ad
         from lopd_cli.models.backbone import load_backbone
-        from lopd_cli.models.composer import Composer
-        from lopd_cli.models.latent import output_head
         from lopd_cli.project import packaged_recipe
 
         torch.manual_seed(0)
@@ -148,7 +148,7 @@ class Bench:
 
     # -- shapes, for the report
     def shapes(self) -> dict:
-        from lopd_cli.models.latent import build_teacher_batch
+        from lopd_cli.compose.latent import build_teacher_batch
 
         tb = build_teacher_batch(self.episodes, self.tok, self.composer.latents_per_item * len(self.refs[0]))
         enc = [len(self.composer.item_token_ids(i, it)) for i, r in zip(self.instrs, self.refs) for it in r]
@@ -188,8 +188,8 @@ class Bench:
     def student(self, bf16: bool) -> None:
         import torch
 
+        from lopd_cli.compose.latent import build_teacher_batch, teacher_hidden
         from lopd_cli.models.adapters import use_student
-        from lopd_cli.models.latent import build_teacher_batch, teacher_hidden
         from lopd_cli.train import losses
         from lopd_cli.train.batch import collate, student_hidden, to_student_layout
 

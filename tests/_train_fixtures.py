@@ -29,7 +29,7 @@ def deep_update(base: dict, new: dict) -> dict:
 def oracle_records(tasks, seed: int = 0):
     """Rollout records of the noisy oracle on `tasks`, scored by the orders world, tagged as
     lopd-generated so they count toward the training budget."""
-    from lopd_cli.envs.orders_policy import scripted_agent_records
+    from lopd_cli.envs.orders_agent import scripted_agent_records
 
     for rec in scripted_agent_records(list(tasks), seed=seed, noise=0.2):
         rec["meta"]["generated_by"] = "lopd"

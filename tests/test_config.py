@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lopd_cli.agent.plugins import load_env_class, load_reward_fn
 from lopd_cli.config import load_recipe
 from lopd_cli.errors import LopdError
-from lopd_cli.plugins import load_env_class, load_reward_fn
 
 BASE = {"model": {"backbone": "tiny"}, "env": {"class": "envmod.py:MyEnv"}}
 

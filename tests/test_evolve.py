@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from _train_fixtures import FAST, deep_update, oracle_records
-from lopd_cli.evaluate import mean_interval
+from lopd_cli.results.evaluate import mean_interval
 from lopd_cli.pipeline.evolve import auto_plan, paired_gate, round_cost
 
 # Small rounds: 3 training tasks × 2 samples, 2 training steps, 3 validation tasks.
@@ -201,7 +201,7 @@ def build_policy_project(root: Path):
     succeeds) with short episodes, and a bank of 24 oracle successes."""
     from lopd_cli.bank.store import Bank
     from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.scaffold import create_project
+    from lopd_cli.project.scaffold import create_project
 
     proj = create_project(root, example="orders", model="tiny")
     data = yaml.safe_load((proj.recipes_dir / "toolcall.yaml").read_text())

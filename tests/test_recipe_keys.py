@@ -208,7 +208,7 @@ def test_every_recipe_key_line_has_a_comment():
 
 
 def test_report_reads_the_margin_of_runs_from_before_and_after_the_rename(tmp_path):
-    from lopd_cli.report import load_run
+    from lopd_cli.results.report import load_run
 
     for name, train in (("old", {"algo": "lopd", "margin_m": 0.3}), ("new", {"algo": "lopd", "lopd": {"margin_m": 0.3}}),
                         ("default", {"algo": "lopd"}), ("grpo", {"algo": "grpo"})):

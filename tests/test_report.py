@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from lopd_cli.errors import LopdError
-from lopd_cli.report import build_report, load_run, write_report
+from lopd_cli.results.report import build_report, load_run, write_report
 
 
 def make_run(root: Path, name: str, algo: str, seed: int, steps: int = 12, per_step: int = 32, eval_every: int = 4) -> Path:

@@ -17,7 +17,8 @@ from lopd_cli.config import RolloutSection, recipe_from_dict  # noqa: E402
 from lopd_cli.envs.orders import OrdersEnv  # noqa: E402
 from lopd_cli.models import adapters as ad  # noqa: E402
 from lopd_cli.models.backbone import load_backbone  # noqa: E402
-from lopd_cli.rollout.base import SamplingParams, make_backend  # noqa: E402
+from lopd_cli.rollout.base import SamplingParams  # noqa: E402
+from lopd_cli.rollout.factory import make_backend  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

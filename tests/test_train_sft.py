@@ -81,7 +81,7 @@ def _nll(model, tokenizer, items) -> float:
 
 def test_sft_lowers_the_nll_of_bank_successes(project):
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.models.student import load_student, read_checkpoint, resolve_checkpoint
     from lopd_cli.train.sampler import TaskSampler
 
     tr, rows = _train(project, "sft-a", ["train.steps=4", "train.micro_batch=3", "train.logit_chunk=16"])

@@ -20,8 +20,8 @@ def demo(
     debug: DebugOpt = False,
 ) -> None:
     """init → base eval → rollouts into the bank → index → cold start → LOPD → eval → export → report."""
-    from lopd_cli.demo import run_demo, summary
-    from lopd_cli.evaluate import comparison_rows
+    from lopd_cli.pipeline.demo import run_demo, summary
+    from lopd_cli.results.evaluate import comparison_rows
 
     say = (lambda s: err_console.print(s, highlight=False)) if as_json else (lambda s: console.print(s, highlight=False))
     result = run_demo(out, model=model, force=force, say=say, overrides=set_ or [])

@@ -58,10 +58,10 @@ def eval_cmd(
     """Evaluate students alone (no bank, composer or teacher): success and reward with 95 %
     intervals, and behaviour (tool calls, repeats, invalid calls, first-turn length)."""
     from lopd_cli.config import load_recipe
-    from lopd_cli.evaluate import category_rows, comparison_rows, run_eval
     from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.models.student import load_student, read_checkpoint, resolve_checkpoint
     from lopd_cli.project import find_recipe, open_project
-    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.results.evaluate import category_rows, comparison_rows, run_eval
 
     proj = open_project(project, required=recipe is None)
     r = load_recipe(find_recipe(recipe or proj.settings.recipe, proj), set_ or [])

@@ -51,7 +51,7 @@ def rollout(
     from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes, select_tasks
     from lopd_cli.config import load_recipe
     from lopd_cli.project import find_recipe, open_project
-    from lopd_cli.student import load_policy
+    from lopd_cli.models.student import load_policy
 
     proj = open_project(project, required=recipe is None or to_bank)
     r = load_recipe(find_recipe(recipe or proj.settings.recipe, proj), set_ or [])

@@ -25,7 +25,7 @@ def init(
 ) -> None:
     """Create a project: lopd.yaml, recipes/ (toolcall.yaml and code.yaml always), runs/, models/."""
     from lopd_cli.cli.common import progress as progress_bar
-    from lopd_cli.scaffold import create_project
+    from lopd_cli.project.scaffold import create_project
 
     with progress_bar(transient=True) as bar:
         job = None
@@ -73,8 +73,8 @@ def recipe_check(
     debug: DebugOpt = False,
 ) -> None:
     """Validate a recipe (schema, env class, reward plugin) and print it resolved."""
+    from lopd_cli.agent.plugins import load_env_class, load_reward_fn
     from lopd_cli.config import load_recipe
-    from lopd_cli.plugins import load_env_class, load_reward_fn
     from lopd_cli.project import find_recipe, open_project
 
     proj = open_project(project, required=False)

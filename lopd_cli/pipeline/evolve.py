@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from lopd_cli.errors import LopdError
-from lopd_cli.evaluate import Interval, mean_interval, wilson_interval
+from lopd_cli.results.evaluate import Interval, mean_interval, wilson_interval
 from lopd_cli.train.checkpoint import EVOLVE_STATE, INCUMBENT
 
 STATE_VERSION = 1
@@ -350,7 +350,7 @@ def open_evolve(project, recipe: str | None = None, overrides: Sequence[str] = (
 
 def _start_model(project, recipe) -> dict:
     """Round 0's incumbent: train.init_from's student when the recipe sets it, else the backbone."""
-    from lopd_cli.student import init_source
+    from lopd_cli.models.student import init_source
 
     info = init_source(project, recipe)
     if info is None:
@@ -423,7 +423,7 @@ def _free() -> None:
 
 
 def _load_policy(run: EvolveRun, checkpoint: str | None):
-    from lopd_cli.student import load_policy
+    from lopd_cli.models.student import load_policy
 
     r = run.recipe
     return load_policy(r, [r.base_dir, run.project.root], checkpoint=run.path(checkpoint))
@@ -434,7 +434,7 @@ def _validate(run: EvolveRun, checkpoint: str | None, out: Path, label: str) -> 
     import torch
 
     from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes
-    from lopd_cli.evaluate import episode_figures, eval_tasks
+    from lopd_cli.results.evaluate import episode_figures, eval_tasks
     from lopd_cli.progress import counter
 
     r = run.recipe

@@ -1,4 +1,4 @@
-"""One LOPD (or OPSD) update on a batch of student rollouts: phases 2–4 of LOPD.md.
+"""One LOPD (or OPSD) update on a batch of student rollouts: phases 2–4 of docs/algorithm.md, "The step".
 
     2. teacher pass: the frozen backbone (adapters off) on the teacher prompt — LOPD: latents
        c_φ from the composer in the placeholder positions; OPSD: the retrieved trajectories as
@@ -34,8 +34,8 @@ from typing import Callable, Sequence
 import torch
 
 from lopd_cli.agent.types import Episode
+from lopd_cli.compose.latent import build_teacher_batch, output_head, teacher_hidden
 from lopd_cli.models.adapters import use_student
-from lopd_cli.models.latent import build_teacher_batch, output_head, teacher_hidden
 from lopd_cli.train import distributed as dist
 from lopd_cli.train import losses
 from lopd_cli.train.batch import BatchTotals, collate, student_hidden, to_student_layout
@@ -50,7 +50,7 @@ class DistillSetup:
     anchor_lambda: float
     micro_batch: int
     logit_chunk: int
-    composer: object | None = None  # LOPD: lopd_cli.models.composer.Composer; OPSD: None
+    composer: object | None = None  # LOPD: lopd_cli.compose.composer.Composer; OPSD: None
     train_composer: bool = False
     latents0: Callable[[list[str], list[list]], torch.Tensor] | None = None  # anchor targets
     text_prompt: Callable[[Episode, list], list[int]] | None = None  # OPSD teacher prompt ids

@@ -47,7 +47,9 @@ from lopd_cli.train.distill import DistillSetup, distill_update
 from lopd_cli.train.grpo import GrpoSetup, grpo_update
 from lopd_cli.train.losses import dual_update
 from lopd_cli.train.metrics import MetricsLog, peak_memory_mb
+from lopd_cli.train.optim import _grad_norm, _student_params
 from lopd_cli.train.sampler import TaskSampler
+from lopd_cli.train.teacher_nll import text_reference_chars
 
 
 @dataclass
@@ -102,7 +104,7 @@ class Trainer:
 
 def find_composer(project: Project, recipe: Recipe) -> Path:
     """`train.lopd.composer_from`, else the newest composer `lopd coldstart` saved in the project."""
-    from lopd_cli.models.composer import MANIFEST
+    from lopd_cli.compose.composer import MANIFEST
 
     if recipe.train.lopd.composer_from:
         p = project.path(recipe.train.lopd.composer_from)
@@ -128,11 +130,6 @@ def lopd_generated_rollouts(project: Project, recipe: Recipe) -> int:
         return 0
     with Bank(path, recipe.bank.min_reward, create=False) as bank:
         return sum(1 for it in bank.iter_items(success_only=False) if it.meta.get("generated_by") == "lopd")
-
-
-def _student_params(model) -> list[torch.nn.Parameter]:
-    name = ad.STUDENT if ad.has_student_adapter(model) else ad.BASE
-    return ad.adapter_parameters(model, name)
 
 
 def contrastive_chunk_warning(t) -> str | None:
@@ -195,7 +192,8 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
 def init_teacher_backbone(project: Project, recipe: Recipe, run_dir: Path) -> Path:
     """`train.teacher: init`: the run's own backbone folder, `init_from`'s student merged (made
     by rank 0 on the run's first start; a resume reuses it without looking at the source)."""
-    from lopd_cli.student import existing_init_backbone, init_source, merged_init_backbone
+    from lopd_cli.models.student import existing_init_backbone, init_source
+    from lopd_cli.train.init_backbone import merged_init_backbone
 
     found = existing_init_backbone(run_dir)
     if found is not None:
@@ -211,8 +209,8 @@ def _embedder_fp(retriever) -> str | None:
 
 
 def _setup_composer(tr: Trainer) -> None:
-    from lopd_cli.models.composer import Composer
-    from lopd_cli.models.latent_cache import LatentCache
+    from lopd_cli.compose.composer import Composer
+    from lopd_cli.compose.latent_cache import LatentCache
 
     recipe = tr.recipe
     tr.composer_dir = find_composer(tr.project, recipe)
@@ -282,7 +280,7 @@ def retrieve_refs(tr: Trainer, episodes: list[Episode]) -> list[list]:
 
 def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
     """OPSD's privileged context: the retrieved trajectories as plain text in the first user turn."""
-    from lopd_cli.models.latent import text_teacher_prompt_ids
+    from lopd_cli.compose.latent import text_teacher_prompt_ids
 
     budget = tr.recipe.bank.obs_char_budget
     max_chars = text_reference_chars(tr.recipe)
@@ -305,11 +303,6 @@ def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
     return (f"train.init_from: {recipe.train.init_from}: the {recipe.train.algo.upper()} teacher is the plain "
             "backbone (adapters off), not this warm-start student; train.teacher=init makes the warm-start "
             "model the teacher")
-
-
-def text_reference_chars(recipe) -> int:
-    """Characters of each text reference: the same order of context as the composer reads."""
-    return recipe.composer.max_item_tokens * 4
 
 
 def _norm(params: list[torch.nn.Parameter]) -> float:
@@ -341,13 +334,6 @@ def composer_health_row(tr: Trainer, step: int) -> dict[str, Any]:
         warnings.warn(collapse_message(h["latent_task_spread"], t.lopd.min_task_spread, f"train step {step}"),
                       LopdWarning, stacklevel=2)
     return {f"composer/{k}": v for k, v in h.items()}
-
-
-def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return 0.0
-    return float(torch.nn.utils.clip_grad_norm_(params, clip))
 
 
 def composer_rows(tr: Trainer, episodes: list[Episode], step: int) -> list[bool] | None:
@@ -599,7 +585,7 @@ def check_world_size(step_dir: Path, meta: dict | None = None) -> None:
 
 
 def restore(tr: Trainer, step_dir: Path) -> None:
-    from lopd_cli.models.composer import Composer
+    from lopd_cli.compose.composer import Composer
 
     meta = ckpt.read_checkpoint_meta(step_dir)
     if meta.get("algo") != tr.algo:
@@ -660,7 +646,7 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
 
     Under torchrun / accelerate launch (WORLD_SIZE > 1) every rank calls this with the same
     arguments; rank 0 alone writes the run folder, metrics and checkpoints."""
-    from lopd_cli.student import init_source, warm_start
+    from lopd_cli.models.student import init_source, warm_start
 
     dist.init_from_env()
     init = None if resume else init_source(project, recipe)  # its errors before the run folder exists
@@ -673,7 +659,7 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
     if step_dir is not None:
         restore(tr, step_dir)
     elif init is not None and recipe.train.teacher == "init":
-        from lopd_cli.student import source_record
+        from lopd_cli.models.student import source_record
 
         tr.extra["init_from"] = source_record(init)  # already the backbone; the student adapter starts fresh
     elif init is not None:

@@ -1,4 +1,4 @@
-"""LOPD and GRPO losses as pure torch functions (spec: /work/shared/LOPD.md, "Objective").
+"""LOPD and GRPO losses as pure torch functions (spec: docs/algorithm.md, "Objective").
 
 Layout. Per-position tensors are (B, T, ...) — B sequences, T positions — with a mask
 ω of shape (B, T) (bool or 0/1 float) marking the supervised (assistant/action) tokens.
@@ -382,7 +382,7 @@ MarginForm = Literal["paper", "centred"]
 
 
 def paper_advantages(rewards: Tensor) -> Tensor:
-    """The paper's A(τ) = 2r − 1 ∈ [−1, 1] (LOPD.md, "Objective"): (B,) -> (B,) float32."""
+    """The paper's A(τ) = 2r − 1 ∈ [−1, 1] (docs/algorithm.md, "Objective"): (B,) -> (B,) float32."""
     return 2.0 * rewards.detach().float() - 1.0
 
 

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lopd_cli.agent.types import Episode, Task
+from lopd_cli.compose.latent import output_head
 from lopd_cli.errors import LopdError
 from lopd_cli.models.adapters import use_student
-from lopd_cli.models.latent import output_head
 from lopd_cli.train import distributed as dist
 from lopd_cli.train import losses
 from lopd_cli.train.batch import batch_totals, collate, student_hidden
@@ -146,7 +146,7 @@ def nll_update(tr: "Trainer", local: list[Episode], total_tokens: int) -> tuple[
 def sft_step(tr: "Trainer") -> dict[str, Any]:
     """One SFT step: sample, NLL backward, all-reduce, clip, optimiser step (or skip when not
     finite). Returns the metrics row; advances tr.state like train_step."""
-    from lopd_cli.train.loop import _grad_norm, _student_params
+    from lopd_cli.train.optim import _grad_norm, _student_params
 
     t = tr.recipe.train
     step = tr.state.step + 1

@@ -233,8 +233,8 @@ def _cache_kwarg(decoder_class: type) -> str:
 def teacher_hidden(model, batch: TeacherBatch, latents: torch.Tensor) -> torch.Tensor:
     """Last hidden states (B, T, d) of the teacher (adapters off, c_φ in the placeholders);
     gradients reach `latents`. Feed rows at `teacher_pos − 1` to the lm_head (chunked)."""
+    from lopd_cli.compose.composer import decoder_of
     from lopd_cli.models.adapters import teacher_view
-    from lopd_cli.models.composer import decoder_of
 
     with teacher_view(model):
         embeds = teacher_inputs_embeds(model, batch.input_ids, latents, batch.latent_mask)

@@ -7,10 +7,10 @@
 
 The world is `orders` with house rules (the project's `toolcall.yaml`): each store's refund
 reason, look-up-first rule and sign-off show only in its past successful transcripts, and the
-base policy learned another rule set (`orders_policy.BASE_POLICY_RULES_SEED`). "Your agent's
+base policy learned another rule set (`train.base_policy.BASE_POLICY_RULES_SEED`). "Your agent's
 logs" are the JSONL a team brings to `lopd bank add-rollouts`; the demo makes them with a
 scripted agent that knows the stores' rules (the orders oracle with mistakes,
-`orders_policy.scripted_agent_records`), on training tasks and on the validation tasks the
+`envs.orders_agent.scripted_agent_records`), on training tasks and on the validation tasks the
 check holds out, and writes them to `logs/agent.jsonl` first. They are the user's, not
 rollouts lopd generated, so they do not count toward the training budget; the student's own
 rollouts do.
@@ -89,13 +89,13 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
     from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes, select_tasks
     from lopd_cli.bank.index import build_index
     from lopd_cli.bank.store import Bank
-    from lopd_cli.evaluate import run_eval
-    from lopd_cli.progress import counter, step_counter
-    from lopd_cli.export import export_merged
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.report import write_report
-    from lopd_cli.scaffold import create_project
-    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.models.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.progress import counter, step_counter
+    from lopd_cli.project.scaffold import create_project
+    from lopd_cli.results.evaluate import run_eval
+    from lopd_cli.results.export import export_merged
+    from lopd_cli.results.report import write_report
     from lopd_cli.train.coldstart import run_coldstart
     from lopd_cli.train.loop import train
 
@@ -123,7 +123,7 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
         st.detail = f"success {result.before.success.estimate:.1%}, reward {result.before.reward.estimate:.3f}"
 
     with _stage(result, f"your agent's logs into the bank ({AGENT_LOGS} training + the validation tasks)", say) as st:
-        from lopd_cli.envs.orders_policy import scripted_agent_records
+        from lopd_cli.envs.orders_agent import scripted_agent_records
 
         logs = project.root / "logs" / "agent.jsonl"
         logs.parent.mkdir(exist_ok=True)

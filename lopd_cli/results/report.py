@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import yaml
 
 from lopd_cli.errors import LopdError
-from lopd_cli.evaluate import markdown_table, mean_interval
+from lopd_cli.results.evaluate import markdown_table, mean_interval
 
 
 @dataclass(frozen=True)
@@ -303,7 +303,7 @@ def build_evolve_report(run_dirs: Sequence[Path]) -> Report:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lopd_cli.evaluate import fmt_interval, Interval
+    from lopd_cli.results.evaluate import fmt_interval, Interval
     from lopd_cli.pipeline.evolve import read_rounds
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
