@@ -120,3 +120,12 @@ def test_margin_binding_share_and_composer_health(runs):
     assert s.x == [4.0, 8.0, 12.0] and s.mean == pytest.approx([0.1, 0.05, 0.4 / 12])
     titles = {ax.get_title() for ax in report.figure.axes}
     assert {"composer: latent task spread", "ψ (encoder LoRA) gradient norm"} <= titles
+
+
+def test_a_panel_only_for_what_some_run_logged(tmp_path):
+    """GRPO logs no β, Δ or composer health: its report draws no panel for them (no empty panel)."""
+    grpo = [make_run(tmp_path, "orders-tiny", "grpo", seed) for seed in (0, 1)]
+    titles = [ax.get_title() for ax in build_report(grpo).figure.axes]
+    assert "training success" in titles and "validation success" in titles
+    assert not {"β (dual variable)", "Δ (privileged margin)", "composer: latent task spread"} & set(titles)
+    assert all(ax.lines for ax in build_report(grpo).figure.axes)

@@ -1,9 +1,11 @@
-"""`lopd demo`: the whole pipeline, end to end, in a fresh project on the embedded default.
+"""`lopd demo`: self-evolution end to end, in a fresh project on the embedded default.
 
-    init (the shipped tiny orders base policy) → base eval on the test split → your agent's logs
-    and student rollouts into the bank → index → cold start, ending with the before-training
-    check → LOPD training → eval of the trained student → export (merged LoRA) → report PNG →
-    a before/after table.
+    init (the shipped tiny orders base policy) → the base model on the test split → your agent's
+    logs into the bank → index → the check (cold start of the composer, ending with the
+    before-training check) → LOPD's single pass → SFT's single pass on the bank → evolve: rounds of
+    (roll the incumbent out → bank → SFT from the incumbent → validation gate), starting from
+    SFT's student → the three students on the test split → export of the evolved student → a
+    report of the rounds → one table.
 
 The world is `orders` with house rules (the project's `toolcall.yaml`): each store's refund
 reason, look-up-first rule and sign-off show only in its past successful transcripts, and the
@@ -15,10 +17,12 @@ check holds out, and writes them to `logs/agent.jsonl` first. They are the user'
 rollouts lopd generated, so they do not count toward the training budget; the student's own
 rollouts do.
 
-Every stage is the same library call the CLI commands make; the demo only chains them in one
-process (one backbone load per stage, as the commands would) and times them. What it
-simplifies: sizes come from the project's `toolcall.yaml` (the orders-tiny recipe) plus the
-few overrides in `DEMO_OVERRIDES`, chosen so the demo ends in minutes on 2 CPU cores.
+Every stage is the same library call the CLI commands make (`lopd coldstart`, `lopd train`,
+`lopd evolve`, `lopd eval`, `lopd export`, `lopd report`); the demo only chains them in one
+process and times them. What it simplifies: sizes come from the project's `toolcall.yaml` (the
+orders-tiny recipe) plus the overrides below, chosen so the demo ends in about a quarter of an
+hour on 2 CPU cores; evolve's method is fixed to SFT, the method that led on this project
+(docs/evolve.md), rather than `--algo auto`, which would also train a LOPD candidate each time.
 """
 
 from __future__ import annotations
@@ -32,11 +36,16 @@ from typing import Callable
 
 from lopd_cli.errors import LopdError
 
-# Sized for a laptop: the recipe's own values except these.
+# Sized for a laptop: the recipe's own values except these (every stage's run takes them).
 # coldstart.eval_every 80: no validation pass mid-way; the check after the last step is the figure.
 DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=80", "coldstart.eval_every=80", "train.steps=12",
                   "train.save_every=6"]
-BANK_ROLLOUTS = 64
+# SFT's single pass: one pass of train.sft.batch items a step over the bank's successes.
+SFT_OVERRIDES = ["train.steps=48", "train.save_every=48"]
+# Evolve from SFT's student: each round rolls it out, adds the episodes to the bank and trains it
+# further on the grown bank; the gate keeps the better one on validation.
+EVOLVE_OVERRIDES = ["evolve.rounds=3", "evolve.start=incumbent", "evolve.steps=16", "evolve.tasks_per_round=256",
+                    "evolve.samples_per_task=1"]
 AGENT_LOGS = 96  # of training tasks; plus one log per validation task (the check's held-out successes)
 DEMO_MARKER = ".lopd-demo"
 
@@ -52,10 +61,14 @@ class Stage:
 class DemoResult:
     project: Path
     stages: list[Stage] = field(default_factory=list)
-    before: object = None  # evaluate.ModelEval
-    after: object = None
+    before: object = None  # results.evaluate.ModelEval of the base model
+    lopd: object = None  # LOPD's single pass
+    sft: object = None  # SFT's single pass
+    after: object = None  # the evolved student
+    evolved_vs_sft: object = None  # results.evaluate.Interval: paired difference on the same test tasks
     check: dict | None = None  # the before-training check (train/check.py)
-    run_dir: Path | None = None
+    rounds: list | None = None  # evolve's rounds.jsonl rows
+    run_dir: Path | None = None  # the evolve run
     export_dir: Path | None = None
     report_png: Path | None = None
 
@@ -81,16 +94,24 @@ def _stage(result: DemoResult, name: str, say: Callable[[str], None]):
     return _Timer()
 
 
-def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[[str], None] = print,
-             overrides: list[str] | None = None, bank_rollouts: int = BANK_ROLLOUTS) -> DemoResult:
-    """Run every stage; raise LopdError naming the stage that failed."""
-    import torch
+def _paired_difference(a: list, b: list, threshold: float):
+    """Mean of per-task success(a) − success(b) over the same tasks, with its 95 % t interval."""
+    from lopd_cli.results.evaluate import mean_interval
 
-    from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes, select_tasks
+    by_task = {e.task.id: e.reward >= threshold for e in b}
+    return mean_interval([float(e.reward >= threshold) - float(by_task[e.task.id]) for e in a])
+
+
+def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[[str], None] = print,
+             overrides: list[str] | None = None, agent_logs: int = AGENT_LOGS) -> DemoResult:
+    """Run every stage; raise LopdError naming the stage that failed. `overrides` (--set) apply
+    to every stage after the defaults above."""
+    from lopd_cli.agent.runner import make_env_factory
     from lopd_cli.bank.index import build_index
     from lopd_cli.bank.store import Bank
     from lopd_cli.models.backbone import load_backbone
     from lopd_cli.models.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.pipeline.evolve import evolve, read_rounds
     from lopd_cli.progress import counter, step_counter
     from lopd_cli.project.scaffold import create_project
     from lopd_cli.results.evaluate import run_eval
@@ -106,52 +127,47 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
             raise LopdError(f"{out} already holds a lopd project that the demo did not make (use --force or another --out)")
         shutil.rmtree(out)
     result = DemoResult(project=out.resolve())
-    sets = DEMO_OVERRIDES + list(overrides or [])
+    user = list(overrides or [])
+    sets = DEMO_OVERRIDES + user
 
     with _stage(result, f"init project ({model})", say) as st, step_counter("training the tiny base policy") as on_build:
         project = create_project(out, example="orders", model=model, progress=on_build)
         (project.root / DEMO_MARKER).write_text("made by `lopd demo`; the next demo run replaces this folder\n")
         recipe = project.load_recipe("toolcall", sets)
         search = [recipe.base_dir, project.root]
+        threshold = recipe.eval.success_threshold
         st.detail = f"{project.root}, backbone {recipe.model.backbone}"
 
+    def evaluate(label: str, checkpoint: Path | None):
+        if checkpoint is None:
+            model_, tok_ = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device, search)
+        else:
+            model_, tok_ = load_student(read_checkpoint(resolve_checkpoint(checkpoint)), search_dirs=search)
+        with counter(f"eval {label}") as tick:
+            figures, episodes = run_eval(recipe, model_, tok_, label, progress=tick, success_threshold=threshold)
+        del model_
+        return figures, episodes
+
     with _stage(result, "evaluate the base model (test split)", say) as st:
-        base, tok = load_backbone(recipe.model.backbone, recipe.model.dtype, recipe.model.device, search)
-        with counter("eval base") as tick:
-            result.before, _ = run_eval(recipe, base, tok, "base", progress=tick,
-                                        success_threshold=recipe.eval.success_threshold)
+        result.before, _ = evaluate("base", None)
         st.detail = f"success {result.before.success.estimate:.1%}, reward {result.before.reward.estimate:.3f}"
 
-    with _stage(result, f"your agent's logs into the bank ({AGENT_LOGS} training + the validation tasks)", say) as st:
+    with _stage(result, f"your agent's logs into the bank ({agent_logs} training + the validation tasks), index", say) as st:
         from lopd_cli.envs.orders_agent import scripted_agent_records
 
         logs = project.root / "logs" / "agent.jsonl"
         logs.parent.mkdir(exist_ok=True)
         env = make_env_factory(recipe)()
-        records = scripted_agent_records(env.tasks("train")[-AGENT_LOGS:] + env.tasks("validation"),
+        records = scripted_agent_records(env.tasks("train")[-agent_logs:] + env.tasks("validation"),
                                          seed=recipe.train.seed)
         logs.write_text("".join(json.dumps(r) + "\n" for r in records))
         with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
             res = bank.add_file(logs)
-        st.detail = f"{logs.relative_to(project.root)}: {res.added} added, {res.successes} successful"
-
-    with _stage(result, f"{bank_rollouts} student rollouts into the bank", say) as st:
-        env_factory = make_env_factory(recipe)
-        tasks = select_tasks(env_factory, "train", bank_rollouts)
-        with torch.no_grad(), counter("rollouts", len(tasks)) as tick:
-            eps = run_episodes(base, tok, env_factory, tasks, recipe.rollout, seed=recipe.train.seed,
-                               reward_fn=load_reward(recipe), progress=tick,
-                               meta={"model": recipe.model.backbone, "split": "train", "generated_by": "lopd"})
-        del base
-        with Bank(project.bank_path(recipe), recipe.bank.min_reward) as bank:
-            res = bank.add_records([e.to_record() for e in eps], source="demo")
-        st.detail = f"{res.added} added, {res.successes} successful"
-
-    with _stage(result, "index the bank", say) as st:
         rep = build_index(project, recipe, progress=True)
-        st.detail = f"{rep.total} successful rollouts indexed"
+        st.detail = (f"{logs.relative_to(project.root)}: {res.added} added, {res.successes} successful; "
+                     f"{rep.total} indexed")
 
-    with _stage(result, "cold start the composer", say) as st:
+    with _stage(result, "the check: cold start of the composer, then LOPD's teacher against the student", say) as st:
         cs = run_coldstart(project, recipe, project.runs_dir / "coldstart", show_progress=True)
         st.detail = f"held-out teacher NLL {cs['val_nll_before']:.3f} → {cs['val_nll_after']:.3f}" if cs["val_nll_after"] else ""
         result.check = cs.get("check")
@@ -161,44 +177,62 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
         for line in check_lines(result.check):
             say(f"    {line}")
 
-    with _stage(result, "LOPD training", say) as st:
-        result.run_dir = project.runs_dir / "lopd"
-        tr = train(project, recipe, result.run_dir,
+    with _stage(result, "LOPD, one pass", say) as st:
+        tr = train(project, recipe, project.runs_dir / "lopd",
                    on_step=lambda row: say(f"    step {row['step']}: reward {row['reward']:.3f} "
                                            f"success {row['success']:.2f} β {row.get('beta', 0):.3f}"))
         st.detail = f"{tr.state.step} steps, {tr.state.rollouts_total} rollouts in total"
+        del tr
 
-    with _stage(result, "evaluate the trained student (test split)", say) as st:
+    with _stage(result, "SFT on the bank's successes, one pass", say) as st:
+        sft_recipe = project.load_recipe("toolcall", DEMO_OVERRIDES + SFT_OVERRIDES + ["train.algo=sft"] + user)
+        tr = train(project, sft_recipe, project.runs_dir / "sft")
+        st.detail = f"{tr.state.step} steps"
+        del tr
+
+    with _stage(result, "evolve from SFT's student: roll out → bank → SFT → validation gate, each round", say) as st:
+        ev = evolve(project, "toolcall", DEMO_OVERRIDES + EVOLVE_OVERRIDES + ["train.init_from=runs/sft"] + user,
+                    run="evolve", algo="sft", say=lambda line: say(f"    {line}"))
+        result.run_dir = ev.run_dir
+        result.rounds = read_rounds(ev.run_dir)
+        last = result.rounds[-1]
+        st.detail = (f"{len(result.rounds) - 1} rounds, incumbent from round {ev.incumbent['round']}, "
+                     f"{last.get('rollouts_total', 0)} rollouts")
+
+    with _stage(result, "evaluate LOPD, SFT and the evolved student (test split)", say) as st:
+        result.lopd, _ = evaluate("LOPD, one pass", project.runs_dir / "lopd")
+        result.sft, sft_eps = evaluate("SFT, one pass", project.runs_dir / "sft")
+        result.after, evo_eps = evaluate("evolved", result.run_dir)
+        result.evolved_vs_sft = _paired_difference(evo_eps, sft_eps, threshold)
+        d = result.evolved_vs_sft
+        st.detail = (f"evolved {result.after.success.estimate:.1%}, SFT {result.sft.success.estimate:.1%}, "
+                     f"LOPD {result.lopd.success.estimate:.1%}; evolved − SFT {d.estimate:+.1%}")
+
+    with _stage(result, "export the evolved student (merge LoRA), report", say) as st:
         info = read_checkpoint(resolve_checkpoint(result.run_dir))
-        student, stok = load_student(info, search_dirs=search)
-        with counter("eval LOPD student") as tick:
-            result.after, _ = run_eval(recipe, student, stok, "LOPD student", progress=tick,
-                                       success_threshold=recipe.eval.success_threshold)
-        del student
-        st.detail = f"success {result.after.success.estimate:.1%}, reward {result.after.reward.estimate:.3f}"
-
-    with _stage(result, "export (merge LoRA)", say) as st:
         result.export_dir = project.models_dir / "student"
         ex = export_merged(info, result.export_dir, search_dirs=search, force=True)
-        st.detail = f"{result.export_dir} (max |Δlogit| {ex.max_abs_logit_diff:.2g})"
-
-    with _stage(result, "report", say) as st:
         result.report_png = project.root / "report.png"
         write_report([result.run_dir], result.report_png)
-        st.detail = str(result.report_png)
+        st.detail = f"{result.export_dir} (max |Δlogit| {ex.max_abs_logit_diff:.2g}); {result.report_png}"
 
     (project.root / "demo.json").write_text(json.dumps(summary(result), indent=2))
     return result
 
 
 def summary(result: DemoResult) -> dict:
+    figures = lambda m: m.to_dict() if m else None  # noqa: E731
     return {
         "project": str(result.project),
         "seconds": result.seconds,
         "stages": [s.__dict__ for s in result.stages],
-        "before": result.before.to_dict() if result.before else None,
-        "after": result.after.to_dict() if result.after else None,
+        "before": figures(result.before),
+        "lopd": figures(result.lopd),
+        "sft": figures(result.sft),
+        "after": figures(result.after),
+        "evolved_vs_sft": result.evolved_vs_sft.to_dict() if result.evolved_vs_sft else None,
         "check": result.check,
+        "rounds": result.rounds,
         "run_dir": str(result.run_dir) if result.run_dir else None,
         "export_dir": str(result.export_dir) if result.export_dir else None,
         "report_png": str(result.report_png) if result.report_png else None,

@@ -247,12 +247,17 @@ def build_report(run_dirs: Sequence[Path]) -> Report:
     groups = group_runs(runs)
     colours = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(groups)}
 
-    fig, axes = plt.subplots(3, 3, figsize=(16, 13), constrained_layout=True)
-    series: dict[str, list[Series]] = {}
-    for ax, panel in zip(axes.flat, PANELS):
-        series[panel.key] = []
-        for group, members in groups.items():
-            s = aggregate(members, panel)
+    # Only what some run logged gets a panel (GRPO and SFT log no β, Δ or composer health).
+    aggregated = {panel: {g: aggregate(members, panel) for g, members in groups.items()} for panel in PANELS}
+    panels = [p for p in PANELS if any(s is not None for s in aggregated[p].values())] or list(PANELS[:1])
+    n_rows = -(-len(panels) // 3)
+    fig, axes = plt.subplots(n_rows, 3, figsize=(16, 4.4 * n_rows), constrained_layout=True, squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    series: dict[str, list[Series]] = {p.key: [] for p in PANELS}
+    for ax, panel in zip(axes.flat, panels):
+        for group in groups:
+            s = aggregated[panel][group]
             if s is None:
                 continue
             series[panel.key].append(s)
@@ -277,8 +282,6 @@ def build_report(run_dirs: Sequence[Path]) -> Report:
             ax.set_ylim(-0.02, 1.02)
         if ax.lines:
             ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
     fig.suptitle(f"lopd report: {len(runs)} run(s), {len(groups)} group(s); bands = 95 % t-interval over seeds")
     header, rows, final = final_figures(groups)
     return Report(fig, series, header, rows, final)
