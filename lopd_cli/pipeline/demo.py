@@ -2,10 +2,10 @@
 
     init (the shipped tiny orders base policy) → the base model on the test split → your agent's
     logs into the bank → index → the check (cold start of the composer, ending with the
-    before-training check) → LOPD's single pass → SFT's single pass on the bank → evolve: rounds of
-    (roll the incumbent out → bank → SFT from the incumbent → validation gate), starting from
-    SFT's student → the three students on the test split → export of the evolved student → a
-    report of the rounds → one table.
+    before-training check) → LOPD's single pass → evolve: rounds of (roll the incumbent out →
+    bank → SFT → validation gate); round 1 trains SFT from the base on the bank (SFT's single
+    pass), later rounds train the incumbent further on the grown bank → LOPD, SFT and the evolved
+    student on the test split → export of the evolved student → a report of the rounds → one table.
 
 The world is `orders` with house rules (the project's `toolcall.yaml`): each store's refund
 reason, look-up-first rule and sign-off show only in its past successful transcripts, and the
@@ -37,15 +37,15 @@ from typing import Callable
 from lopd_cli.errors import LopdError
 
 # Sized for a laptop: the recipe's own values except these (every stage's run takes them).
-# coldstart.eval_every 80: no validation pass mid-way; the check after the last step is the figure.
-DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=80", "coldstart.eval_every=80", "train.steps=12",
-                  "train.save_every=6"]
-# SFT's single pass: one pass of train.sft.batch items a step over the bank's successes.
-SFT_OVERRIDES = ["train.steps=48", "train.save_every=48"]
-# Evolve from SFT's student: each round rolls it out, adds the episodes to the bank and trains it
-# further on the grown bank; the gate keeps the better one on validation.
-EVOLVE_OVERRIDES = ["evolve.rounds=3", "evolve.start=incumbent", "evolve.steps=16", "evolve.tasks_per_round=256",
-                    "evolve.samples_per_task=1"]
+# coldstart.eval_every: no validation pass mid-way; the check after the last step is the figure.
+DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=40", "coldstart.eval_every=40", "train.steps=12",
+                  "train.save_every=12", "rollout.rollouts_per_step=16", "rollout.batch_size=16"]
+# Evolve from the base model: round 1 rolls the base out and trains SFT on the bank (your logs and
+# those rollouts): that candidate is SFT's single pass. Each later round rolls out the incumbent,
+# adds the episodes to the bank and trains the incumbent further on the grown bank; the gate keeps
+# the better one on the validation tasks.
+EVOLVE_OVERRIDES = ["evolve.rounds=3", "evolve.start=incumbent", "evolve.steps=36", "evolve.tasks_per_round=256",
+                    "evolve.samples_per_task=1", "train.sft.batch=32", "rollout.batch_size=32"]
 AGENT_LOGS = 96  # of training tasks; plus one log per validation task (the check's held-out successes)
 DEMO_MARKER = ".lopd-demo"
 
@@ -184,14 +184,8 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
         st.detail = f"{tr.state.step} steps, {tr.state.rollouts_total} rollouts in total"
         del tr
 
-    with _stage(result, "SFT on the bank's successes, one pass", say) as st:
-        sft_recipe = project.load_recipe("toolcall", DEMO_OVERRIDES + SFT_OVERRIDES + ["train.algo=sft"] + user)
-        tr = train(project, sft_recipe, project.runs_dir / "sft")
-        st.detail = f"{tr.state.step} steps"
-        del tr
-
-    with _stage(result, "evolve from SFT's student: roll out → bank → SFT → validation gate, each round", say) as st:
-        ev = evolve(project, "toolcall", DEMO_OVERRIDES + EVOLVE_OVERRIDES + ["train.init_from=runs/sft"] + user,
+    with _stage(result, "evolve: roll out the incumbent → bank → SFT → validation gate, each round", say) as st:
+        ev = evolve(project, "toolcall", DEMO_OVERRIDES + EVOLVE_OVERRIDES + user,
                     run="evolve", algo="sft", say=lambda line: say(f"    {line}"))
         result.run_dir = ev.run_dir
         result.rounds = read_rounds(ev.run_dir)
@@ -201,7 +195,8 @@ def run_demo(out: Path, model: str = "tiny", force: bool = False, say: Callable[
 
     with _stage(result, "evaluate LOPD, SFT and the evolved student (test split)", say) as st:
         result.lopd, _ = evaluate("LOPD, one pass", project.runs_dir / "lopd")
-        result.sft, sft_eps = evaluate("SFT, one pass", project.runs_dir / "sft")
+        # Round 1 trained SFT from the base on your logs (and the base's own rollouts): one pass.
+        result.sft, sft_eps = evaluate("SFT, one pass", result.run_dir / "rounds" / "r01" / "train-sft")
         result.after, evo_eps = evaluate("evolved", result.run_dir)
         result.evolved_vs_sft = _paired_difference(evo_eps, sft_eps, threshold)
         d = result.evolved_vs_sft
