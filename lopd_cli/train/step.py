@@ -1,12 +1,18 @@
-"""One LOPD (or OPSD) update on a batch of student rollouts: phases 2–4 of docs/algorithm.md, "The step".
+"""The LOPD (and OPSD) step, in the four phases of docs/algorithm.md, "The step".
 
-    2. teacher pass: the frozen backbone (adapters off) on the teacher prompt — LOPD: latents
+    1. `rollout_phase`: the student (adapters on, no latents) plays this rank's share of the
+       step's tasks (the loop runs it; GRPO's step starts with it too);
+    2. `teacher_phase`: the frozen backbone (adapters off) on the teacher prompt — LOPD: latents
        c_φ from the composer in the placeholder positions; OPSD: the retrieved trajectories as
-       plain text — keeping the top-M ids per action token;
-    3. student pass: reverse KL(p̃^S ‖ sg p̃^T) on those ids + tail, gradients into θ;
-    4. composer pass (LOPD, composer not frozen): KL(sg p̃^S ‖ p̃^T) + β(m − Δ) + λ·anchor
-       (+ w·contrastive hinge on the successful rollouts), gradients into φ; then the dual step on
-       β (done by the caller, from the returned Δ, and only when Δ is defined).
+       plain text (`retrieve_refs`, `opsd_prompt_fn`) — keeping the top-M ids per action token;
+    3. `student_phase`: reverse KL(p̃^S ‖ sg p̃^T) on those ids + tail, gradients into θ;
+    4. `composer_phase` (LOPD, composer not frozen): `losses.composer_objective`, i.e.
+       KL(sg p̃^S ‖ p̃^T) + β(m − Δ) + λ·anchor (+ w·contrastive hinge on the successful
+       rollouts), gradients into φ; then, after the optimiser steps, `dual_step` on β (only when
+       Δ is defined).
+
+`lopd_step` runs phases 2–4 on a batch of rollouts; `trainer_step` is what `train.loop.update`
+calls (retrieval, the set-up from the recipe, the sum over ranks).
 
 Δ's form is `margin_advantage`: "centred" (default) = sequence mean of 2(r − r̄)·δ with r̄ the
 mean reward of the whole step's batch (over ranks too), or of each task's rollouts when tasks
@@ -28,8 +34,10 @@ contrastive hinge by successful rollouts).
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -38,11 +46,15 @@ from lopd_cli.compose.latent import build_teacher_batch, output_head, teacher_hi
 from lopd_cli.models.adapters import use_student
 from lopd_cli.train import distributed as dist
 from lopd_cli.train import losses
-from lopd_cli.train.batch import BatchTotals, collate, student_hidden, to_student_layout
+from lopd_cli.train.batch import BatchTotals, StudentBatch, collate, student_hidden, to_student_layout
+
+if TYPE_CHECKING:
+    from lopd_cli.compose.latent import TeacherBatch
+    from lopd_cli.train.loop import Trainer
 
 
 @dataclass
-class DistillSetup:
+class StepSetup:
     model: object
     tokenizer: object
     top_m: int
@@ -60,7 +72,7 @@ class DistillSetup:
     contrastive_margin: float = 0.1
     success_threshold: float = 1.0  # rollouts at or above it take part in the contrastive term
     # The composer pass's rows (None: all of them) and their counts over the whole step's batch
-    # (None: counted here, which is right in one process); see distill_update.
+    # (None: counted here, which is right in one process); see lopd_step.
     composer_rows: Sequence[bool] | None = None
     composer_totals: BatchTotals | None = None
     # No-grad latents kept while φ does not change (the trainer clears it when φ steps); None:
@@ -74,7 +86,7 @@ class DistillSetup:
 
 
 @dataclass
-class DistillOutcome:
+class StepOutcome:
     kl: float = 0.0  # student-pass KL(p̃^S ‖ p̃^T), batch sequence-mean
     composer_kl: float = 0.0
     delta: float = 0.0
@@ -88,8 +100,467 @@ class DistillOutcome:
     finite: bool = True
 
 
-def _autocast(enabled: bool, device: torch.device):
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
+# ----------------------------------------------------------------------- what the phases share
+
+
+@dataclass
+class StepBatch:
+    """The step's batch as every phase sees it: the rows, what micro-batch weights divide by
+    (counts over the whole step's batch, every rank's share included) and what is fixed for the step."""
+
+    episodes: Sequence[Episode]
+    refs: Sequence[list]
+    full: StudentBatch  # the whole (rank's) batch, on the CPU
+    pad: int
+    device: torch.device
+    head: object  # the output head (shared by teacher and student)
+    lopd: bool  # latents from the composer (False: OPSD, references as text)
+    n_seq_total: int
+    n_tok_total: int
+    c_seq_total: int  # the composer rows' counts
+    c_tok_total: int
+    c_eps_total: int
+    advantages: torch.Tensor | None  # centred A(τ) of every row (None: the paper's Δ, or OPSD)
+    margin_defined: bool  # False: centred Δ on a batch with no reward spread
+    plain_rows: list[int]  # no-grad teacher, then the student
+    composer_rows: list[int]  # teacher with grad, the composer pass, then the student
+    n_successes: int  # the contrastive term's successful composer rows, over ranks (0: term off)
+    n_latents: int
+    controls: list[list | None] | None  # the privilege gate's control references (None: gate off)
+    nograd: "NoGradLatents"
+
+
+@dataclass
+class MicroBatch:
+    rows: list[int]  # indices into the step's batch
+    episodes: list[Episode]
+    refs: list[list]
+    sb: StudentBatch
+    w_seq: float  # its share of the step's sequences
+
+
+@dataclass
+class TeacherOutputs:
+    topm_logprobs: torch.Tensor  # (B, T, M+1), no grad: the student's targets
+    topm_ids: torch.Tensor  # (B, T, M)
+    gate: torch.Tensor | None  # privilege weights (B, T) (privilege_gate only)
+    token_logprobs: torch.Tensor | None = None  # no-grad rows, LOPD: log π^T of the taken actions (for Δ)
+    hidden: torch.Tensor | None = None  # composer rows: the teacher's hidden states, with graph into φ
+    latents: torch.Tensor | None = None  # composer rows: c_φ, with graph
+    teacher_batch: "TeacherBatch | None" = None
+
+
+@dataclass
+class Tally:
+    """What the phases add up over the micro-batches."""
+
+    out: StepOutcome
+    kl_plain: float = 0.0  # the student KL of the no-grad rows
+    gate_sum: float = 0.0
+    gate_n: int = 0
+    seconds: dict = field(default_factory=lambda: {"teacher": 0.0, "student": 0.0, "composer": 0.0, "encode": 0.0})
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def lopd_step(setup: StepSetup, episodes: Sequence[Episode], refs: Sequence[list], beta: float,
+              totals: BatchTotals | None = None) -> StepOutcome:
+    """Phases 2–4 on a batch of rollouts: accumulate gradients of the student (θ) and, for LOPD,
+    the composer (φ).
+
+    The caller zeroes gradients before and steps the optimisers after (so it can check them),
+    then takes the dual step on β (`dual_step`). `totals`: the counts of the whole step's batch
+    when `episodes` is one rank's share of it (then the losses and gradients here are that
+    rank's part of a sum over ranks).
+
+    Rows: `setup.composer_rows` (None: every row when the composer trains) picks the sequences
+    of the composer pass; `setup.composer_totals` counts them over the whole step's batch. The
+    other rows take a teacher pass without gradient (latents encoded once per distinct
+    (task, item) pair, no graph kept) and the student pass. Composer rows, per micro-batch:
+    encoder + teacher with gradient → the student's log-probs without gradient → the composer's
+    backward (its graph is freed) → the student's forward and backward. No graph outlives its
+    phase: the price is one no-grad student forward on the composer rows. Δ for the dual step
+    is measured on every row (the teacher's token log-probs of the others come without grad)."""
+    batch = prepare_batch(setup, episodes, refs, totals)
+    tally = Tally(StepOutcome(n_tokens=batch.full.n_tokens, margin_defined=batch.margin_defined))
+    for mb in micro_batches(batch, batch.plain_rows, setup.micro_batch):
+        teacher = teacher_phase(setup, batch, mb, tally, grad=False)
+        t0 = time.perf_counter()
+        kl, s_tok = student_phase(setup, batch, mb, teacher)
+        tally.out.kl += kl * mb.w_seq
+        tally.kl_plain += kl * mb.w_seq
+        if batch.lopd:
+            tally.out.delta += float(margin_of(setup, batch, mb, teacher.token_logprobs, s_tok)) * delta_share(
+                setup, mb.sb, batch.n_seq_total, batch.n_tok_total)
+        tally.seconds["student"] += time.perf_counter() - t0
+    composer_chunk = min(setup.composer_micro_batch or setup.micro_batch, setup.micro_batch)
+    for mb in micro_batches(batch, batch.composer_rows, composer_chunk):
+        teacher = teacher_phase(setup, batch, mb, tally, grad=True)
+        composer_phase(setup, batch, mb, teacher, beta, tally)
+        t0 = time.perf_counter()
+        kl, _ = student_phase(setup, batch, mb, teacher)
+        tally.out.kl += kl * mb.w_seq
+        tally.seconds["student"] += time.perf_counter() - t0
+    return finish(setup, batch, beta, tally)
+
+
+def prepare_batch(setup: StepSetup, episodes: Sequence[Episode], refs: Sequence[list],
+                  totals: BatchTotals | None) -> StepBatch:
+    """Split the rows between the composer pass and the plain one and count what each term's
+    micro-batch weights divide by; the centred advantages and the contrastive term's successes
+    are reduced over ranks here (every rank calls the reductions, rows or not)."""
+    from lopd_cli.train.batch import batch_totals
+
+    model = setup.model
+    lopd = setup.composer is not None
+    grad_phi = lopd and setup.train_composer
+    pad = setup.tokenizer.pad_token_id or 0
+    full = collate(episodes, pad, "cpu")
+    rows_c = list(setup.composer_rows) if setup.composer_rows is not None else [grad_phi] * len(episodes)
+    if not grad_phi:
+        rows_c = [False] * len(episodes)
+    ctot = setup.composer_totals if setup.composer_totals is not None else (
+        totals if setup.composer_rows is None else None)
+    if ctot is None:
+        ctot = batch_totals([ep for ep, c in zip(episodes, rows_c) if c])
+    advantages, defined = _margin_advantages(setup, episodes, full)
+    idx_c = [i for i, c in enumerate(rows_c) if c]
+    n_succ_total = 0
+    if grad_phi and setup.contrastive_weight > 0:
+        sc = _successes(setup, full.rewards[idx_c], full.mask[idx_c]) if idx_c else torch.zeros(0)
+        n_succ_total = int(dist.all_reduce_sum({"n": int(sc.sum())})["n"])
+    return StepBatch(
+        episodes=episodes, refs=refs, full=full, pad=pad, device=next(model.parameters()).device,
+        head=output_head(model), lopd=lopd,
+        n_seq_total=max(1, totals.n_sequences if totals else full.n_sequences),
+        n_tok_total=max(1, totals.n_tokens if totals else full.n_tokens),
+        c_seq_total=max(1, ctot.n_sequences if ctot else full.n_sequences),
+        c_tok_total=max(1, ctot.n_tokens if ctot else full.n_tokens),
+        c_eps_total=max(1, ctot.n_episodes if ctot else len(episodes)),
+        advantages=advantages, margin_defined=defined,
+        plain_rows=[i for i, c in enumerate(rows_c) if not c], composer_rows=idx_c,
+        n_successes=n_succ_total,
+        n_latents=setup.composer.latents_per_item * len(refs[0]) if lopd and refs and refs[0] else 0,
+        controls=control_references(episodes, refs) if setup.privilege_gate else None,
+        nograd=setup.nograd_latents if setup.nograd_latents is not None else NoGradLatents(),
+    )
+
+
+def micro_batches(batch: StepBatch, rows: list[int], size: int) -> Iterator[MicroBatch]:
+    """`rows` in chunks of `size`, collated on the model's device; chunks with no supervised token are left out."""
+    for lo in range(0, len(rows), size):
+        chunk = rows[lo : lo + size]
+        eps = [batch.episodes[i] for i in chunk]
+        sb = collate(eps, batch.pad, batch.device)
+        if sb.n_tokens == 0:
+            continue
+        yield MicroBatch(chunk, eps, [list(batch.refs[i]) for i in chunk], sb, sb.n_sequences / batch.n_seq_total)
+
+
+# ------------------------------------------------------------------------------- phase 1
+
+
+def rollout_phase(tr: Trainer, tasks: list, step: int, progress: Callable[[int], None] | None = None,
+                  index_offset: int = 0) -> list[Episode]:
+    """Phase 1: the student (backbone + student adapter, no latents) plays `tasks` (this rank's
+    share of the step's), each token's sampling log-prob recorded. GRPO's step starts with it too."""
+    from lopd_cli.agent.runner import run_episodes
+    from lopd_cli.models import adapters as ad
+
+    tr.model.eval()
+    with torch.no_grad(), ad.use_student(tr.model):
+        return run_episodes(
+            tr.model, tr.tokenizer, tr.env_factory, tasks, tr.recipe.rollout,
+            seed=tr.recipe.train.seed * 1_000_003 + step, reward_fn=tr.reward_fn, progress=progress,
+            meta={"generated_by": "lopd", "phase": "train", "algo": tr.algo, "step": step},
+            index_offset=index_offset,
+        )
+
+
+# ------------------------------------------------------------------------------- phase 2
+
+
+def teacher_phase(setup: StepSetup, batch: StepBatch, mb: MicroBatch, tally: Tally, grad: bool) -> TeacherOutputs:
+    """Phase 2 on a micro-batch: the teacher's top-M ids and log-probs per action token (the
+    student's targets) and, with the gate on, the privilege weights. `grad` (composer rows):
+    the teacher's hidden states and latents keep their graph for the composer phase; otherwise
+    (LOPD) the taken actions' log-probs come along for Δ, without gradient."""
+    t0 = time.perf_counter()
+    pred, latents, tb = teacher_forward(setup, batch, mb.episodes, mb.refs, tally, grad)
+    if grad:
+        t_lp, t_ids = losses.chunked_teacher_topm(pred.detach(), batch.head, setup.top_m, mask=mb.sb.mask,
+                                                  chunk_size=setup.logit_chunk)
+        out = TeacherOutputs(t_lp, t_ids, None, hidden=pred, latents=latents, teacher_batch=tb)
+    else:
+        t_lp, t_ids = losses.chunked_teacher_topm(pred, batch.head, setup.top_m, mask=mb.sb.mask,
+                                                  chunk_size=setup.logit_chunk)
+        out = TeacherOutputs(t_lp, t_ids, None)
+        if batch.lopd:
+            with torch.no_grad():
+                out.token_logprobs = losses.chunked_token_logprobs(pred, batch.head, mb.sb.targets, mask=mb.sb.mask,
+                                                                   chunk_size=setup.logit_chunk)
+        del pred, latents, tb
+    out.gate = privilege_gate(setup, batch, mb, t_lp, t_ids, tally)
+    tally.seconds["teacher"] += time.perf_counter() - t0
+    return out
+
+
+def teacher_forward(setup: StepSetup, batch: StepBatch, eps: list[Episode], mrefs: list[list], tally: Tally,
+                    grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, TeacherBatch]:
+    """The teacher's hidden states in the student layout, the latents (LOPD; None for OPSD) and
+    the teacher batch. No-grad latents come from the cache of (task, item) pairs."""
+    model, device = setup.model, batch.device
+    with torch.set_grad_enabled(grad), _autocast(setup.autocast, device):
+        if batch.lopd:
+            t0 = time.perf_counter()
+            latents = encode_latents(setup.composer, mrefs, [ep.task.instruction for ep in eps],
+                                     None if grad else batch.nograd)
+            tally.seconds["encode"] += time.perf_counter() - t0
+            tb = build_teacher_batch(eps, setup.tokenizer, batch.n_latents).to(device)
+            th = teacher_hidden(model, tb, latents.to(device))
+        else:
+            latents = None
+            tb = build_teacher_batch(eps, setup.tokenizer, 0,
+                                     prompt_fn=lambda b, ep: setup.text_prompt(ep, mrefs[b])).to(device)
+            th = teacher_hidden(model, tb, th_empty_latents(len(eps), device, model))
+        return to_student_layout(th, tb, tuple(collate_shape(eps))), latents, tb
+
+
+def privilege_gate(setup: StepSetup, batch: StepBatch, mb: MicroBatch, t_lp: torch.Tensor, t_ids: torch.Tensor,
+                   tally: Tally) -> torch.Tensor | None:
+    """Privilege weights (B, T) of a micro-batch (`losses.privilege_weights` against the teacher
+    with the control references), or None (gate off). Rows without a control are ungated."""
+    controls = batch.controls
+    if controls is None:
+        return None
+    have = [controls[i] is not None for i in mb.rows]
+    crefs = [controls[i] if controls[i] is not None else list(batch.refs[i]) for i in mb.rows]
+    with torch.no_grad():
+        c_pred, _, _ = teacher_forward(setup, batch, mb.episodes, crefs, tally, grad=False)
+        c_lp, _ = losses.chunked_logprobs(c_pred, batch.head, topm_ids=t_ids, mask=mb.sb.mask,
+                                          chunk_size=setup.logit_chunk)
+        w = losses.privilege_weights(t_lp, c_lp)
+        w[~torch.tensor(have, device=w.device)] = 1.0  # no control in the batch: ungated
+        m = mb.sb.mask.bool()
+        tally.gate_sum += float(w[m].sum())
+        tally.gate_n += int(m.sum())
+    return w
+
+
+# ------------------------------------------------------------------------------- phase 3
+
+
+def student_phase(setup: StepSetup, batch: StepBatch, mb: MicroBatch,
+                  teacher: TeacherOutputs) -> tuple[float, torch.Tensor | None]:
+    """Phase 3 on a micro-batch: reverse KL(p̃^S ‖ sg p̃^T) on the teacher's ids + tail (scaled by
+    the privilege gate), backward into θ weighted by the micro-batch's share of the sequences.
+    Returns the KL and (LOPD) the student's log-probs of the taken actions, detached."""
+    model = setup.model
+    sb = mb.sb
+    with use_student(model), _autocast(setup.autocast, batch.device):
+        s_pred = student_hidden(model, sb)
+        s_topm_g, s_tok_g = losses.chunked_logprobs(
+            s_pred, batch.head, topm_ids=teacher.topm_ids, token_ids=sb.targets if batch.lopd else None,
+            mask=sb.mask, chunk_size=setup.logit_chunk,
+        )
+        kl = losses.topm_reverse_kl(s_topm_g, teacher.topm_logprobs, sb.mask, weight=teacher.gate)
+    (kl.loss * mb.w_seq).backward()
+    return float(kl.loss.detach()), s_tok_g.detach() if s_tok_g is not None else None
+
+
+# ------------------------------------------------------------------------------- phase 4
+
+
+def composer_phase(setup: StepSetup, batch: StepBatch, mb: MicroBatch, teacher: TeacherOutputs, beta: float,
+                   tally: Tally) -> None:
+    """Phase 4 on a micro-batch of composer rows: `losses.composer_objective` (KL(sg S ‖ T),
+    β(m − Δ) without its constant β·m, λ·anchor, the contrastive hinge), each term weighted by
+    its share of what it averages over, backward through the teacher and the encoder into φ.
+    The teacher's graph is released here, before the student pass."""
+    model, sb = setup.model, mb.sb
+    t0 = time.perf_counter()
+    instrs = [ep.task.instruction for ep in mb.episodes]
+    with torch.no_grad(), use_student(model), _autocast(setup.autocast, batch.device):
+        s_topm, s_tok = losses.chunked_logprobs(student_hidden(model, sb), batch.head, topm_ids=teacher.topm_ids,
+                                                token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
+    t_topm, t_tok = losses.chunked_logprobs(teacher.hidden, batch.head, topm_ids=teacher.topm_ids,
+                                            token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
+    ckl = losses.topm_reverse_kl(s_topm, t_topm, sb.mask, detach="student")
+    delta = margin_of(setup, batch, mb, t_tok, s_tok)
+    latents = teacher.latents
+    anchor = (
+        losses.anchor_loss(latents, setup.latents0(instrs, mb.refs).to(latents.device))
+        if setup.latents0 is not None and setup.anchor_lambda > 0
+        else latents.new_zeros(())
+    )
+    hinge, w_pairs = None, 1.0
+    if batch.n_successes:
+        h, n_pairs = contrastive_term(setup, batch, mb, teacher, t_tok)
+        if n_pairs:
+            hinge, w_pairs = h, n_pairs / batch.n_successes
+    wc_seq, wc_tok = sb.n_sequences / batch.c_seq_total, sb.n_tokens / batch.c_tok_total
+    wc_task = len(mb.episodes) / batch.c_eps_total
+    weights = losses.TermWeights(kl=wc_seq, margin=wc_tok if setup.margin_advantage == "paper" else wc_seq,
+                                 anchor=wc_task, contrastive=w_pairs)
+    obj = losses.composer_objective(ckl.loss, beta, None, delta, anchor, setup.anchor_lambda,
+                                    hinge, setup.contrastive_weight, weights)
+    obj.backward()
+    teacher.hidden = teacher.latents = None  # the graph is spent: nothing of it outlives this phase
+    del latents, obj, t_topm, t_tok
+    out = tally.out
+    if hinge is not None:
+        out.contrastive += float(hinge.detach()) * w_pairs
+    out.composer_kl += float(ckl.loss.detach()) * wc_seq
+    out.delta += float(delta.detach()) * delta_share(setup, sb, batch.n_seq_total, batch.n_tok_total)
+    out.anchor += float(anchor.detach()) * wc_task
+    tally.seconds["composer"] += time.perf_counter() - t0
+
+
+def contrastive_term(setup: StepSetup, batch: StepBatch, mb: MicroBatch, teacher: TeacherOutputs,
+                     t_tok: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The composer pass's contrastive hinge on this micro-batch's successful rollouts: the
+    teacher's NLL of each one with its own task's latents against the NLL with another task's
+    (the micro-batch's latents rolled by one). Returns (mean hinge over the pairs, pairs)."""
+    from lopd_cli.train.coldstart import other_task_order
+
+    latents, tb, sb = teacher.latents, teacher.teacher_batch, mb.sb
+    perm, ok = other_task_order([ep.task.id for ep in mb.episodes])
+    succ = _successes(setup, sb.rewards, sb.mask).tolist()
+    keep = [i for i in range(len(mb.episodes)) if ok[i] and succ[i]]
+    if not keep:
+        return latents.sum() * 0.0, 0
+    with _autocast(setup.autocast, latents.device):
+        th_o = teacher_hidden(setup.model, tb, latents[torch.tensor(perm, device=latents.device)])
+        pred_o = to_student_layout(th_o, tb, tuple(sb.mask.shape))
+    other = losses.chunked_token_logprobs(pred_o, batch.head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
+    idx = torch.tensor(keep, device=latents.device)
+    nll_own = losses.per_sequence_mean(-t_tok, sb.mask)[idx]
+    nll_other = losses.per_sequence_mean(-other, sb.mask)[idx]
+    return losses.contrastive_hinge(nll_own, nll_other, setup.contrastive_margin), len(keep)
+
+
+def margin_of(setup: StepSetup, batch: StepBatch, mb: MicroBatch, t_tok: torch.Tensor,
+              s_tok: torch.Tensor) -> torch.Tensor:
+    """Δ of a micro-batch: the paper's token mean of (2r − 1)·δ, or the centred sequence mean."""
+    if setup.margin_advantage == "paper":
+        return losses.privileged_margin(t_tok, s_tok, mb.sb.rewards, mb.sb.mask)
+    adv = batch.advantages[mb.rows].to(t_tok.device)
+    return losses.centred_margin(t_tok, s_tok, adv, mb.sb.mask)
+
+
+def delta_share(setup: StepSetup, sb: StudentBatch, seq_total: int, tok_total: int) -> float:
+    """A micro-batch's weight in Δ: its tokens (the paper's token mean) or its sequences (centred)."""
+    return sb.n_tokens / tok_total if setup.margin_advantage == "paper" else sb.n_sequences / seq_total
+
+
+def finish(setup: StepSetup, batch: StepBatch, beta: float, tally: Tally) -> StepOutcome:
+    """The step's outcome: the composer loss on the batch totals, the gate's mean, the timings."""
+    out = tally.out
+    if batch.lopd:
+        if not batch.composer_rows:  # no composer pass this step: its KL is the student's (the same numbers)
+            out.composer_kl = tally.kl_plain
+        out.composer_loss = composer_loss(setup, out, beta)
+    if batch.controls is not None:
+        out.gate = tally.gate_sum / max(tally.gate_n, 1)
+    sec = tally.seconds
+    out.seconds = sec if batch.lopd else {k: v for k, v in sec.items() if k != "encode"}
+    out.finite = all(map(_finite, (out.kl, out.composer_kl, out.delta, out.anchor)))
+    return out
+
+
+def composer_loss(setup: StepSetup, out: StepOutcome, beta: float) -> float:
+    """`losses.composer_objective` on the step's totals (the number logged as composer_loss)."""
+    return losses.composer_objective(out.composer_kl, beta, setup.margin_m, out.delta, out.anchor,
+                                     setup.anchor_lambda, out.contrastive, setup.contrastive_weight)
+
+
+def dual_step(beta: float, out: StepOutcome, margin_m: float, eta: float) -> float:
+    """The end of phase 4, after φ's optimiser step: β ← max(0, β + η(m − Δ)); β unchanged when
+    the centred Δ is undefined (all rewards equal)."""
+    return losses.dual_update(beta, margin_m, out.delta, eta) if out.margin_defined else beta
+
+
+# ----------------------------------------------------------------------------- the trainer's step
+
+
+def trainer_step(tr: Trainer, episodes: list[Episode], totals: BatchTotals | None = None,
+                 rows: list[bool] | None = None, composer_totals: BatchTotals | None = None) -> StepOutcome:
+    """What `train.loop.update` runs for LOPD and OPSD: retrieve each rollout's references,
+    `lopd_step` with the recipe's settings, and (distributed) sum the loss parts over ranks."""
+    refs = retrieve_refs(tr, episodes)
+    setup = step_setup(tr, rows, composer_totals)
+    o = lopd_step(setup, episodes, refs, tr.state.beta, totals)
+    if dist.is_distributed():
+        red = dist.all_reduce_sum({"kl": o.kl, "composer_kl": o.composer_kl, "delta": o.delta,
+                                   "anchor": o.anchor, "contrastive": o.contrastive, "n_tokens": o.n_tokens})
+        o.kl, o.composer_kl, o.delta, o.anchor = red["kl"], red["composer_kl"], red["delta"], red["anchor"]
+        o.contrastive, o.n_tokens = red["contrastive"], int(red["n_tokens"])
+        o.composer_loss = composer_loss(setup, o, tr.state.beta)
+        o.finite = all(map(math.isfinite, (o.kl, o.composer_kl, o.delta, o.anchor)))
+    return o
+
+
+def step_setup(tr: Trainer, rows: list[bool] | None = None, composer_totals: BatchTotals | None = None) -> StepSetup:
+    """The step's settings from the trainer and its recipe."""
+    t = tr.recipe.train
+    return StepSetup(
+        tr.model, tr.tokenizer, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, t.micro_batch, t.logit_chunk,
+        composer=tr.composer, train_composer=tr.trains_composer, latents0=tr.latents0,
+        text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else None,
+        autocast=tr.recipe.model.autocast_bf16, margin_advantage=t.lopd.margin_advantage,
+        contrastive_weight=t.lopd.contrastive_weight, contrastive_margin=t.lopd.contrastive_margin,
+        success_threshold=tr.recipe.eval.success_threshold,
+        composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
+        privilege_gate=t.distill.privilege_gate, composer_micro_batch=t.lopd.composer_micro_batch,
+    )
+
+
+def step_metrics(o: StepOutcome, tr: Trainer) -> dict:
+    """The step's loss metrics for the metrics row."""
+    t = tr.recipe.train
+    row: dict = {"loss": o.kl, "kl": o.kl}
+    if o.gate is not None:
+        row["gate"] = o.gate
+    if tr.algo == "lopd":
+        # margin_binds: the constraint Δ ≥ m is violated this step (β rises); None when the
+        # centred Δ is undefined (all rewards equal: no dual step).
+        row.update(delta=o.delta, anchor=o.anchor, composer_loss=o.composer_loss,
+                   margin_defined=o.margin_defined, margin_binds=(o.delta < t.lopd.margin_m) if o.margin_defined else None)
+        if t.lopd.contrastive_weight > 0:
+            row["contrastive"] = o.contrastive
+    return row
+
+
+def retrieve_refs(tr: Trainer, episodes: list[Episode]) -> list[list]:
+    """Each rollout's references: its task's `bank.n_retrieve` nearest bank items (without the
+    task itself unless `bank.allow_self_retrieval`)."""
+    b = tr.recipe.bank
+    instrs = [ep.task.instruction for ep in episodes]
+    if b.allow_self_retrieval:
+        return tr.retriever.retrieve_many(instrs, b.n_retrieve)
+    return tr.retriever.retrieve_many(
+        instrs, b.n_retrieve,
+        exclude_task_ids_per_query=[[ep.task.id] for ep in episodes],
+        exclude_instructions_per_query=[[ep.task.instruction] for ep in episodes],
+    )
+
+
+def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
+    """OPSD's privileged context: the retrieved trajectories as plain text in the first user turn."""
+    from lopd_cli.compose.latent import text_teacher_prompt_ids
+    from lopd_cli.train.teacher_nll import text_reference_chars
+
+    budget = tr.recipe.bank.obs_char_budget
+    max_chars = text_reference_chars(tr.recipe)
+
+    def prompt(ep: Episode, items: list) -> list[int]:
+        return text_teacher_prompt_ids(tr.tokenizer, ep.prompt_messages, ep.task.tools, items, budget, max_chars)
+
+    return prompt
+
+
+# ----------------------------------------------------------------------------- latents
 
 
 def item_key(task_instruction: str, item) -> tuple[str, object]:
@@ -173,202 +644,11 @@ class NoGradLatents:
         return len(self.entries)
 
 
-def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Sequence[list], beta: float,
-                   totals: BatchTotals | None = None) -> DistillOutcome:
-    """Accumulate gradients of the student (θ) and, for LOPD, the composer (φ) over the batch.
+# ----------------------------------------------------------------------------- helpers
 
-    The caller zeroes gradients before and steps the optimisers after (so it can check them).
-    `totals`: the counts of the whole step's batch when `episodes` is one rank's share of it
-    (then the losses and gradients here are that rank's part of a sum over ranks).
 
-    Rows: `setup.composer_rows` (None: every row when the composer trains) picks the sequences
-    of the composer pass; `setup.composer_totals` counts them over the whole step's batch. The
-    other rows take a teacher pass without gradient (latents encoded once per distinct
-    (task, item) pair, no graph kept) and the student pass. Composer rows, per micro-batch:
-    encoder + teacher with gradient → the student's log-probs without gradient → the composer's
-    backward (its graph is freed) → the student's forward and backward. No graph outlives its
-    phase: the price is one no-grad student forward on the composer rows. Δ for the dual step
-    is measured on every row (the teacher's token log-probs of the others come without grad)."""
-    import time
-
-    model, tok = setup.model, setup.tokenizer
-    device = next(model.parameters()).device
-    head = output_head(model)
-    pad = tok.pad_token_id or 0
-    full = collate(episodes, pad, "cpu")
-    n_seq_total = max(1, totals.n_sequences if totals else full.n_sequences)
-    n_tok_total = max(1, totals.n_tokens if totals else full.n_tokens)
-    out = DistillOutcome(n_tokens=full.n_tokens)
-    sec = {"teacher": 0.0, "student": 0.0, "composer": 0.0, "encode": 0.0}
-    lopd = setup.composer is not None
-    grad_phi = lopd and setup.train_composer
-    rows_c = list(setup.composer_rows) if setup.composer_rows is not None else [grad_phi] * len(episodes)
-    if not grad_phi:
-        rows_c = [False] * len(episodes)
-    ctot = setup.composer_totals if setup.composer_totals is not None else (
-        totals if setup.composer_rows is None else None)
-    sub = [ep for ep, c in zip(episodes, rows_c) if c]
-    if ctot is None:
-        from lopd_cli.train.batch import batch_totals
-
-        ctot = batch_totals(sub)
-    c_seq_total = max(1, ctot.n_sequences if ctot else full.n_sequences)
-    c_tok_total = max(1, ctot.n_tokens if ctot else full.n_tokens)
-    c_eps_total = max(1, ctot.n_episodes if ctot else len(episodes))
-    adv_full, out.margin_defined = _margin_advantages(setup, episodes, full)
-    idx_c = [i for i, c in enumerate(rows_c) if c]
-    idx_p = [i for i, c in enumerate(rows_c) if not c]
-    n_succ_total = 0
-    if grad_phi and setup.contrastive_weight > 0:  # every rank calls the reduction, rows or not
-        sc = _successes(setup, full.rewards[idx_c], full.mask[idx_c]) if idx_c else torch.zeros(0)
-        n_succ_total = int(dist.all_reduce_sum({"n": int(sc.sum())})["n"])
-    n_latents = setup.composer.latents_per_item * len(refs[0]) if lopd and refs and refs[0] else 0
-    kl_plain = 0.0
-    nograd = setup.nograd_latents if setup.nograd_latents is not None else NoGradLatents()
-
-    def delta_of(t_tok, s_tok, sb, rows):
-        if setup.margin_advantage == "paper":
-            return losses.privileged_margin(t_tok, s_tok, sb.rewards, sb.mask)
-        adv = adv_full[rows].to(t_tok.device)
-        return losses.centred_margin(t_tok, s_tok, adv, sb.mask)
-
-    def delta_weight(sb, seq_total, tok_total):
-        return sb.n_tokens / tok_total if setup.margin_advantage == "paper" else sb.n_sequences / seq_total
-
-    def teacher(eps, mrefs, grad: bool):
-        """Teacher hidden states in the student layout (+ latents, the teacher batch)."""
-        with torch.set_grad_enabled(grad), _autocast(setup.autocast, device):
-            if lopd:
-                t0 = time.perf_counter()
-                latents = encode_latents(setup.composer, mrefs, [ep.task.instruction for ep in eps],
-                                         None if grad else nograd)
-                sec["encode"] += time.perf_counter() - t0
-                tb = build_teacher_batch(eps, tok, n_latents).to(device)
-                th = teacher_hidden(model, tb, latents.to(device))
-            else:
-                latents = None
-                tb = build_teacher_batch(eps, tok, 0, prompt_fn=lambda b, ep: setup.text_prompt(ep, mrefs[b])).to(device)
-                th = teacher_hidden(model, tb, th_empty_latents(len(eps), device, model))
-            return to_student_layout(th, tb, tuple(collate_shape(eps))), latents, tb
-
-    controls = control_references(episodes, refs) if setup.privilege_gate else None
-    gate_sum, gate_n = 0.0, 0
-
-    def gate_of(rows, eps, sb, t_lp, t_ids):
-        """Privilege weights (B, T) of a micro-batch, or None (gate off)."""
-        nonlocal gate_sum, gate_n
-        if controls is None:
-            return None
-        have = [controls[i] is not None for i in rows]
-        crefs = [controls[i] if controls[i] is not None else list(refs[i]) for i in rows]
-        with torch.no_grad():
-            c_pred, _, _ = teacher(eps, crefs, grad=False)
-            c_lp, _ = losses.chunked_logprobs(c_pred, head, topm_ids=t_ids, mask=sb.mask, chunk_size=setup.logit_chunk)
-            w = losses.privilege_weights(t_lp, c_lp)
-            w[~torch.tensor(have, device=w.device)] = 1.0  # no control in the batch: ungated
-            m = sb.mask.bool()
-            gate_sum += float(w[m].sum())
-            gate_n += int(m.sum())
-        return w
-
-    def student_pass(sb, t_lp, t_ids, w_seq, weight=None):
-        with use_student(model), _autocast(setup.autocast, device):
-            s_pred = student_hidden(model, sb)
-            s_topm_g, s_tok_g = losses.chunked_logprobs(
-                s_pred, head, topm_ids=t_ids, token_ids=sb.targets if lopd else None, mask=sb.mask,
-                chunk_size=setup.logit_chunk,
-            )
-            kl = losses.topm_reverse_kl(s_topm_g, t_lp, sb.mask, weight=weight)
-        (kl.loss * w_seq).backward()
-        return float(kl.loss.detach()), s_tok_g.detach() if s_tok_g is not None else None
-
-    # Rows without the composer pass: no-grad teacher, then the student.
-    for lo in range(0, len(idx_p), setup.micro_batch):
-        rows = idx_p[lo : lo + setup.micro_batch]
-        eps = [episodes[i] for i in rows]
-        mrefs = [list(refs[i]) for i in rows]
-        sb = collate(eps, pad, device)
-        if sb.n_tokens == 0:
-            continue
-        w_seq = sb.n_sequences / n_seq_total
-        t0 = time.perf_counter()
-        t_pred, _, _ = teacher(eps, mrefs, grad=False)
-        t_lp, t_ids = losses.chunked_teacher_topm(t_pred, head, setup.top_m, mask=sb.mask, chunk_size=setup.logit_chunk)
-        if lopd:
-            with torch.no_grad():
-                t_tok = losses.chunked_token_logprobs(t_pred, head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
-        del t_pred
-        gate = gate_of(rows, eps, sb, t_lp, t_ids)
-        sec["teacher"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        kl_v, s_tok = student_pass(sb, t_lp, t_ids, w_seq, gate)
-        out.kl += kl_v * w_seq
-        kl_plain += kl_v * w_seq
-        if lopd:
-            out.delta += float(delta_of(t_tok, s_tok, sb, rows)) * delta_weight(sb, n_seq_total, n_tok_total)
-        sec["student"] += time.perf_counter() - t0
-
-    # Composer rows: teacher with grad → student log-probs (no grad) → composer backward → student.
-    cmb = min(setup.composer_micro_batch or setup.micro_batch, setup.micro_batch)
-    for lo in range(0, len(idx_c), cmb):
-        rows = idx_c[lo : lo + cmb]
-        eps = [episodes[i] for i in rows]
-        mrefs = [list(refs[i]) for i in rows]
-        instrs = [ep.task.instruction for ep in eps]
-        sb = collate(eps, pad, device)
-        if sb.n_tokens == 0:
-            continue
-        w_seq = sb.n_sequences / n_seq_total
-        wc_seq, wc_tok, wc_task = sb.n_sequences / c_seq_total, sb.n_tokens / c_tok_total, len(eps) / c_eps_total
-        t0 = time.perf_counter()
-        t_pred, latents, tb = teacher(eps, mrefs, grad=True)
-        t_lp, t_ids = losses.chunked_teacher_topm(t_pred.detach(), head, setup.top_m, mask=sb.mask,
-                                                  chunk_size=setup.logit_chunk)
-        gate = gate_of(rows, eps, sb, t_lp, t_ids)
-        sec["teacher"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with torch.no_grad(), use_student(model), _autocast(setup.autocast, device):
-            s_topm, s_tok = losses.chunked_logprobs(student_hidden(model, sb), head, topm_ids=t_ids,
-                                                    token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
-        t_topm, t_tok = losses.chunked_logprobs(t_pred, head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask,
-                                                chunk_size=setup.logit_chunk)
-        ckl = losses.topm_reverse_kl(s_topm, t_topm, sb.mask, detach="student")
-        delta = delta_of(t_tok, s_tok, sb, rows)
-        w_delta = wc_tok if setup.margin_advantage == "paper" else wc_seq
-        anchor = (
-            losses.anchor_loss(latents, setup.latents0(instrs, mrefs).to(latents.device))
-            if setup.latents0 is not None and setup.anchor_lambda > 0
-            else latents.new_zeros(())
-        )
-        # = w·(KL + β(m − Δ) + λ·anchor) with each term weighted by what it averages over in the
-        # composer rows (β·m is a constant: it has no gradient and is left out).
-        obj = wc_seq * ckl.loss - beta * w_delta * delta + setup.anchor_lambda * wc_task * anchor
-        if n_succ_total:
-            hinge, n_pairs = _contrastive(setup, model, head, eps, tb, sb, latents, t_tok)
-            if n_pairs:
-                w_c = n_pairs / n_succ_total
-                obj = obj + setup.contrastive_weight * w_c * hinge
-                out.contrastive += float(hinge.detach()) * w_c
-        obj.backward()
-        del t_pred, latents, obj, t_topm, t_tok
-        out.composer_kl += float(ckl.loss.detach()) * wc_seq
-        out.delta += float(delta.detach()) * delta_weight(sb, n_seq_total, n_tok_total)
-        out.anchor += float(anchor.detach()) * wc_task
-        sec["composer"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        kl_v, _ = student_pass(sb, t_lp, t_ids, w_seq, gate)
-        out.kl += kl_v * w_seq
-        sec["student"] += time.perf_counter() - t0
-    if lopd:
-        if not idx_c:  # no composer pass this step: its KL is the student's (the same numbers)
-            out.composer_kl = kl_plain
-        out.composer_loss = (out.composer_kl + beta * (setup.margin_m - out.delta) + setup.anchor_lambda * out.anchor
-                             + setup.contrastive_weight * out.contrastive)
-    if controls is not None:
-        out.gate = gate_sum / max(gate_n, 1)
-    out.seconds = sec if lopd else {k: v for k, v in sec.items() if k != "encode"}
-    out.finite = all(map(_finite, (out.kl, out.composer_kl, out.delta, out.anchor)))
-    return out
+def _autocast(enabled: bool, device: torch.device):
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def collate_shape(eps: Sequence[Episode]) -> tuple[int, int]:
@@ -376,7 +656,7 @@ def collate_shape(eps: Sequence[Episode]) -> tuple[int, int]:
     return len(eps), max(len(ep.input_ids) for ep in eps) - 1
 
 
-def _margin_advantages(setup: DistillSetup, episodes: Sequence[Episode], full) -> tuple[torch.Tensor | None, bool]:
+def _margin_advantages(setup: StepSetup, episodes: Sequence[Episode], full) -> tuple[torch.Tensor | None, bool]:
     """Centred advantages of the whole batch (r̄ over every rank's sequences, or per task when
     tasks repeat) and whether Δ is defined (the rewards differ). Paper form: (None, True)."""
     if setup.composer is None or setup.margin_advantage == "paper":
@@ -396,34 +676,8 @@ def _margin_advantages(setup: DistillSetup, episodes: Sequence[Episode], full) -
     return adv, bool(defined)
 
 
-def _successes(setup: DistillSetup, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _successes(setup: StepSetup, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (rewards >= setup.success_threshold) & (mask.sum(1) > 0)
-
-
-def _n_successes(setup: DistillSetup, full) -> int:
-    n = int(_successes(setup, full.rewards, full.mask).sum())
-    return int(dist.all_reduce_sum({"n": n})["n"])
-
-
-def _contrastive(setup: DistillSetup, model, head, eps, tb, sb, latents, t_tok) -> tuple[torch.Tensor, int]:
-    """The composer pass's contrastive hinge on this micro-batch's successful rollouts: the
-    teacher's NLL of each one with its own task's latents against the NLL with another task's
-    (the micro-batch's latents rolled by one). Returns (mean hinge over the pairs, pairs)."""
-    from lopd_cli.train.coldstart import other_task_order
-
-    perm, ok = other_task_order([ep.task.id for ep in eps])
-    succ = _successes(setup, sb.rewards, sb.mask).tolist()
-    keep = [i for i in range(len(eps)) if ok[i] and succ[i]]
-    if not keep:
-        return latents.sum() * 0.0, 0
-    with _autocast(setup.autocast, latents.device):
-        th_o = teacher_hidden(model, tb, latents[torch.tensor(perm, device=latents.device)])
-        pred_o = to_student_layout(th_o, tb, tuple(sb.mask.shape))
-    other = losses.chunked_token_logprobs(pred_o, head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
-    idx = torch.tensor(keep, device=latents.device)
-    nll_own = losses.per_sequence_mean(-t_tok, sb.mask)[idx]
-    nll_other = losses.per_sequence_mean(-other, sb.mask)[idx]
-    return losses.contrastive_hinge(nll_own, nll_other, setup.contrastive_margin), len(keep)
 
 
 def th_empty_latents(batch: int, device, model) -> torch.Tensor:
