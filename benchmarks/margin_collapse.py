@@ -11,7 +11,7 @@ docs/algorithm.md: "Without the margin, minimising the KL over φ pulls the teac
     batch      `--rollouts` real rollouts of the base policy (student adapter at its zero init,
                temperature 1) on other training tasks, with the env's rewards; references =
                3 bank items of other tasks; the same batch every step
-    steps      `distill_update` + the composer's optimiser step + the dual step on β, exactly as
+    steps      `lopd_step` + the composer's optimiser step + the dual step on β, exactly as
                `train.loop.update` does, but the student does not step (lr 0): only φ moves,
                so any change in Δ is the composer's doing
 
@@ -114,7 +114,7 @@ def run_margin(ctx: dict, margin: float, steps: int, composer_lr: float, anchor:
     import torch
 
     from lopd_cli.models import adapters as ad
-    from lopd_cli.train.distill import DistillSetup, distill_update
+    from lopd_cli.train.step import StepSetup, lopd_step
     from lopd_cli.train.losses import dual_update
 
     restore(ctx)
@@ -125,14 +125,14 @@ def run_margin(ctx: dict, margin: float, steps: int, composer_lr: float, anchor:
     opt = torch.optim.AdamW(params, lr=composer_lr)
     student = ad.adapter_parameters(model, ad.STUDENT)
     latents0 = ctx["latents0"]
-    setup = DistillSetup(model, ctx["tok"], t.distill.top_m, margin, anchor, t.micro_batch, t.logit_chunk,
+    setup = StepSetup(model, ctx["tok"], t.distill.top_m, margin, anchor, t.micro_batch, t.logit_chunk,
                          composer=composer, train_composer=True, latents0=lambda i, r: latents0,
                          margin_advantage=form)
     beta, rows = t.lopd.beta0, []
     model.train()
     for step in range(1, steps + 1):
         opt.zero_grad(set_to_none=True)
-        o = distill_update(setup, ctx["episodes"], ctx["refs"], beta)
+        o = lopd_step(setup, ctx["episodes"], ctx["refs"], beta)
         for p in student:  # the student does not move (lr 0): only φ changes Δ
             p.grad = None
         gn = float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], t.grad_clip))

@@ -6,7 +6,7 @@ Three phases, each a full optimiser step on the same synthetic batch:
     student  the LOPD student phase alone: composer forward and teacher forward without grad
              (latents in the placeholders), the teacher's top-M (`chunked_teacher_topm`), the
              student's `chunked_reverse_kl` + backward + step
-    lopd     the whole LOPD update: `lopd_cli.train.distill.distill_update` (per micro-batch:
+    lopd     the whole LOPD update: `lopd_cli.train.step.lopd_step` (per micro-batch:
              encoder + teacher with grad, the composer's backward, then the student pass) + both
              optimiser steps + the dual step on β
     lopd_share  the same with `train.lopd.composer_batch` = a quarter of the rows (the others: a
@@ -208,18 +208,18 @@ class Bench:
         self._clip_step(self.student_params, self.student_opt)
 
     def lopd(self, bf16: bool, rows=None) -> None:
-        from lopd_cli.train.distill import DistillSetup, distill_update
+        from lopd_cli.train.step import StepSetup, lopd_step
         from lopd_cli.train.losses import dual_update
 
         t = self.recipe.train
         self.student_opt.zero_grad(set_to_none=True)
         self.composer_opt.zero_grad(set_to_none=True)
         lat0 = dict(zip(self.instrs, self.latents0))
-        setup = DistillSetup(self.model, self.tok, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, t.micro_batch, t.logit_chunk,
+        setup = StepSetup(self.model, self.tok, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, t.micro_batch, t.logit_chunk,
                              composer=self.composer, train_composer=True,
                              latents0=lambda ins, r: torch_stack([lat0[i] for i in ins]),
                              autocast=bf16, composer_rows=rows)
-        out = distill_update(setup, self.episodes, self.refs, self.beta)
+        out = lopd_step(setup, self.episodes, self.refs, self.beta)
         self._clip_step(self.student_params, self.student_opt)
         if rows is None or any(rows):
             self._clip_step(self.composer_params, self.composer_opt)
@@ -237,7 +237,7 @@ class Bench:
 
     def head_pass(self, bf16: bool) -> None:
         """One no-grad lm_head pass over the action tokens (top-M + token log-probs): what
-        distill.py's composer phase spent re-reading the student's log-probs before they came
+        step.py's composer phase spent re-reading the student's log-probs before they came
         out of the student pass."""
         import torch
 

@@ -165,7 +165,8 @@ def test_trainer_steps_roll_out_the_current_student(student, tmp_path):
     """`lopd train` with `rollout.backend: vllm`: a whole step runs, and the trainer's rollouts
     always come from the student as it is now (the runner snapshots the adapter per call)."""
     from lopd_cli.project import init_project
-    from lopd_cli.train.loop import build_trainer, rollouts, train_step
+    from lopd_cli.train.loop import build_trainer, train_step
+    from lopd_cli.train.step import rollout_phase
 
     project = init_project(tmp_path / "p", example="orders", model="tiny")
     recipe = recipe_from_dict({
@@ -180,7 +181,7 @@ def test_trainer_steps_roll_out_the_current_student(student, tmp_path):
     seen = []
     for seed in (1, 2):
         set_lora_b(tr.model, seed)
-        eps = rollouts(tr, tr.train_tasks[:2], step=2)
+        eps = rollout_phase(tr, tr.train_tasks[:2], step=2)
         for e in eps:
             fresh = fresh_logprobs(tr.model, e.input_ids, recipe.rollout.temperature)
             mask = torch.tensor(e.action_mask[1:], dtype=torch.bool)

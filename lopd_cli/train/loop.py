@@ -2,9 +2,9 @@
 
 Each step:
     1. rollouts: the student (backbone + student adapter), no latents, on training tasks;
-    2–4. LOPD / OPSD: teacher pass, student reverse-KL update, composer update (train/distill.py);
+    2–4. LOPD / OPSD: teacher pass, student reverse-KL update, composer update and, after the
+         optimiser steps, the dual step on β (train/step.py);
          GRPO: group-normalised clipped policy gradient (train/grpo.py);
-    5. LOPD: the dual step on β;
     (SFT has no rollouts: one NLL step on successful bank items, train/sft.py;)
     then bank growth (`bank.grow`), metrics, periodic validation and checkpoints.
 
@@ -43,13 +43,11 @@ from lopd_cli.runtime import seed_everything, warn_if_slow_bf16
 from lopd_cli.train import checkpoint as ckpt
 from lopd_cli.train import distributed as dist
 from lopd_cli.train.batch import BatchTotals, batch_totals
-from lopd_cli.train.distill import DistillSetup, distill_update
 from lopd_cli.train.grpo import GrpoSetup, grpo_update
-from lopd_cli.train.losses import dual_update
 from lopd_cli.train.metrics import MetricsLog, peak_memory_mb
 from lopd_cli.train.optim import _grad_norm, _student_params
 from lopd_cli.train.sampler import TaskSampler
-from lopd_cli.train.teacher_nll import text_reference_chars
+from lopd_cli.train.step import NoGradLatents, dual_step, rollout_phase, step_metrics, trainer_step
 
 
 @dataclass
@@ -87,7 +85,7 @@ class Trainer:
     metrics: MetricsLog | None = None
     on_step: Callable[[dict], None] | None = None
     backbone_path: str = ""
-    nograd_latents: Any = None  # distill.NoGradLatents: no-grad c_φ per (task, item) while φ is unchanged
+    nograd_latents: Any = None  # step.NoGradLatents: no-grad c_φ per (task, item) while φ is unchanged
     extra: dict = field(default_factory=dict)
 
     @property
@@ -215,8 +213,6 @@ def _setup_composer(tr: Trainer) -> None:
     recipe = tr.recipe
     tr.composer_dir = find_composer(tr.project, recipe)
     tr.composer = Composer.load(tr.composer_dir, tr.model, tr.tokenizer, recipe.composer)
-    from lopd_cli.train.distill import NoGradLatents
-
     tr.nograd_latents = NoGradLatents()
     if recipe.train.lopd.freeze_composer:
         tr.composer.requires_grad_(False)
@@ -252,43 +248,6 @@ def pick_tasks(tr: Trainer) -> tuple[list, list[int]]:
         return [tr.train_tasks[i] for i in idx for _ in range(G)], [g for g in range(len(idx)) for _ in range(G)]
     idx = tr.state.sampler.take(R)
     return [tr.train_tasks[i] for i in idx], list(range(R))
-
-
-def rollouts(tr: Trainer, tasks: list, step: int, progress: Callable[[int], None] | None = None,
-             index_offset: int = 0) -> list[Episode]:
-    tr.model.eval()
-    with torch.no_grad(), ad.use_student(tr.model):
-        return run_episodes(
-            tr.model, tr.tokenizer, tr.env_factory, tasks, tr.recipe.rollout,
-            seed=tr.recipe.train.seed * 1_000_003 + step, reward_fn=tr.reward_fn, progress=progress,
-            meta={"generated_by": "lopd", "phase": "train", "algo": tr.algo, "step": step},
-            index_offset=index_offset,
-        )
-
-
-def retrieve_refs(tr: Trainer, episodes: list[Episode]) -> list[list]:
-    b = tr.recipe.bank
-    instrs = [ep.task.instruction for ep in episodes]
-    if b.allow_self_retrieval:
-        return tr.retriever.retrieve_many(instrs, b.n_retrieve)
-    return tr.retriever.retrieve_many(
-        instrs, b.n_retrieve,
-        exclude_task_ids_per_query=[[ep.task.id] for ep in episodes],
-        exclude_instructions_per_query=[[ep.task.instruction] for ep in episodes],
-    )
-
-
-def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
-    """OPSD's privileged context: the retrieved trajectories as plain text in the first user turn."""
-    from lopd_cli.compose.latent import text_teacher_prompt_ids
-
-    budget = tr.recipe.bank.obs_char_budget
-    max_chars = text_reference_chars(tr.recipe)
-
-    def prompt(ep: Episode, items: list) -> list[int]:
-        return text_teacher_prompt_ids(tr.tokenizer, ep.prompt_messages, ep.task.tools, items, budget, max_chars)
-
-    return prompt
 
 
 def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
@@ -385,36 +344,8 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
         row.update(loss=o.loss, pg_loss=o.loss, clip_fraction=o.clip_fraction, kl_ref=o.kl_ref, adv_abs=o.adv_abs)
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
     else:
-        refs = retrieve_refs(tr, episodes)
-        setup = DistillSetup(
-            tr.model, tr.tokenizer, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, t.micro_batch, t.logit_chunk,
-            composer=tr.composer, train_composer=tr.trains_composer, latents0=tr.latents0,
-            text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else None,
-            autocast=tr.recipe.model.autocast_bf16, margin_advantage=t.lopd.margin_advantage,
-            contrastive_weight=t.lopd.contrastive_weight, contrastive_margin=t.lopd.contrastive_margin,
-            success_threshold=tr.recipe.eval.success_threshold,
-            composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
-            privilege_gate=t.distill.privilege_gate, composer_micro_batch=t.lopd.composer_micro_batch,
-        )
-        o = distill_update(setup, episodes, refs, tr.state.beta, totals)
-        if dist.is_distributed():
-            red = dist.all_reduce_sum({"kl": o.kl, "composer_kl": o.composer_kl, "delta": o.delta,
-                                       "anchor": o.anchor, "contrastive": o.contrastive, "n_tokens": o.n_tokens})
-            o.kl, o.composer_kl, o.delta, o.anchor = red["kl"], red["composer_kl"], red["delta"], red["anchor"]
-            o.contrastive, o.n_tokens = red["contrastive"], int(red["n_tokens"])
-            o.composer_loss = (o.composer_kl + tr.state.beta * (t.lopd.margin_m - o.delta) + t.lopd.anchor_lambda * o.anchor
-                               + t.lopd.contrastive_weight * o.contrastive)
-            o.finite = all(map(math.isfinite, (o.kl, o.composer_kl, o.delta, o.anchor)))
-        row.update(loss=o.kl, kl=o.kl)
-        if o.gate is not None:
-            row["gate"] = o.gate
-        if tr.algo == "lopd":
-            # margin_binds: the constraint Δ ≥ m is violated this step (β rises); None when the
-            # centred Δ is undefined (all rewards equal: no dual step).
-            row.update(delta=o.delta, anchor=o.anchor, composer_loss=o.composer_loss,
-                       margin_defined=o.margin_defined, margin_binds=(o.delta < t.lopd.margin_m) if o.margin_defined else None)
-            if t.lopd.contrastive_weight > 0:
-                row["contrastive"] = o.contrastive
+        o = trainer_step(tr, episodes, totals, rows, composer_totals)
+        row.update(step_metrics(o, tr))
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
     comp_params = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
     dist.sum_gradients(_student_params(tr.model) + comp_params)
@@ -433,8 +364,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
                 tr.nograd_latents.clear()  # φ changed: its no-grad latents are stale
             if tr.composer_sched is not None:
                 tr.composer_sched.step()
-            if o.margin_defined:
-                tr.state.beta = dual_update(tr.state.beta, t.lopd.margin_m, o.delta, t.lopd.eta_beta)
+            tr.state.beta = dual_step(tr.state.beta, o, t.lopd.margin_m, t.lopd.eta_beta)
         tr.state.nonfinite_streak = 0
     else:
         tr.student_opt.zero_grad(set_to_none=True)
@@ -488,7 +418,7 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     # Distributed: the same global task list on every rank, each rolling out its own share.
     dist.check_step_split(len(tasks), tr.recipe.train.grpo.group_size if tr.algo == "grpo" else None)
     lo, hi = dist.shard_range(len(tasks))
-    local = rollouts(tr, tasks[lo:hi], step, progress, index_offset=lo)
+    local = rollout_phase(tr, tasks[lo:hi], step, progress, index_offset=lo)
     episodes = dist.gather_lists(local)
     t_roll = dist.all_reduce_max({"t": time.perf_counter() - t0})["t"]
     tr.state.rollouts_total += len(episodes)

@@ -529,16 +529,45 @@ def dual_update(beta: float, margin_m: float, delta: float | Tensor, eta: float)
     return max(0.0, float(beta) + float(eta) * (float(margin_m) - d))
 
 
+class TermWeights(NamedTuple):
+    """What each term of `composer_objective` is multiplied by: the share of the step's batch that
+    a micro-batch holds, per term (its sequences, tokens, tasks, contrastive pairs). 1: unweighted."""
+
+    kl: float = 1.0
+    margin: float = 1.0
+    anchor: float = 1.0
+    contrastive: float = 1.0
+
+
 def composer_objective(
-    kl_sg_student: Tensor,
+    kl_sg_student: Tensor | float,
     beta: float,
-    margin_m: float,
-    delta: Tensor,
-    anchor: Tensor,
+    margin_m: float | None,
+    delta: Tensor | float,
+    anchor: Tensor | float,
     anchor_lambda: float,
-) -> Tensor:
-    """Composer loss KL(sg[S] ‖ T) + β (m − Δ) + λ · anchor (β is a constant here)."""
-    return kl_sg_student + float(beta) * (float(margin_m) - delta) + float(anchor_lambda) * anchor
+    contrastive: Tensor | float | None = None,
+    contrastive_weight: float = 0.0,
+    weights: TermWeights = TermWeights(),
+) -> Tensor | float:
+    """Composer loss KL(sg[S] ‖ T) + β (m − Δ) + λ · anchor (+ w · contrastive), β a constant.
+
+    The one place this objective is written: the composer pass backpropagates it per micro-batch
+    (`weights`: each term's share of the batch; `margin_m` None: β·m, a constant with no gradient,
+    is left out) and the step reports it on the batch totals (Python floats). Each weight
+    multiplies its coefficient before the term (`β·w·Δ`, `λ·w·anchor`), and the terms are added
+    left to right: the order the numbers were always computed in. `contrastive` None: no term
+    (0 pairs in the micro-batch).
+    """
+    obj = weights.kl * kl_sg_student
+    if margin_m is None:
+        obj = obj - float(beta) * weights.margin * delta
+    else:
+        obj = obj + float(beta) * weights.margin * (float(margin_m) - delta)
+    obj = obj + float(anchor_lambda) * weights.anchor * anchor
+    if contrastive is not None:
+        obj = obj + float(contrastive_weight) * weights.contrastive * contrastive
+    return obj
 
 
 # ------------------------------------------------------------------------------------ GRPO
