@@ -1,7 +1,7 @@
 """Export round trip on a real backbone: LoRA "student" (perturbed, all linear layers) →
 `export_merged` → max |logit difference| of the reloaded folder vs backbone + adapter, and time.
 
-    LOPD_CACHE=/tmp/lopdcache HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/export_roundtrip.py \
+    LOPD_CACHE=$(mktemp -d) HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/export_roundtrip.py \
         [--backbone smollm2-135m-instruct] [--rank 16] [--scale 0.05]
 """
 

@@ -50,7 +50,9 @@ import argparse
 import json
 import math
 import random
+import os
 import shutil
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -491,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method-budget", action="append", default=[], metavar="METHOD=B",
                    help="a smaller budget for one method (e.g. the ablations), checkpoints spaced as the main runs'")
     p.add_argument("--set", action="append", default=[], help="extra recipe override KEY=VALUE (repeatable)")
-    p.add_argument("--work", default="/tmp/lopd_sample_efficiency")
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "lopd_sample_efficiency"))
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--no-report", dest="report", action="store_false", help="skip the `lopd report` figure")
     a = p.parse_args(argv)
