@@ -419,18 +419,25 @@ def _yaml_value(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
-def _walk(model: type[Section], prefix: str) -> list[KeyInfo]:
+def _walk(model: type[Section], prefix: str, defaults: Section | None = None) -> list[KeyInfo]:
+    """`defaults`: the section's default instance where its parent builds one with other values
+    than the class's own (composer.encoder_lora is a LoraConfig with r 8, not 16)."""
     out = []
     for name, field in model.model_fields.items():
         if field.exclude:
             continue
         key = f"{prefix}{field.alias or name}"
         sub = _section_model(field.annotation)
+        has_default = not (field.default is PydanticUndefined and field.default_factory is None)
         if sub is not None:
             out.append(KeyInfo(key, "section", "", field.description or "", is_section=True))
-            out.extend(_walk(sub, key + "."))
+            sub_default = (getattr(defaults, name) if defaults is not None
+                           else field.get_default(call_default_factory=True) if has_default else None)
+            out.extend(_walk(sub, key + ".", sub_default if isinstance(sub_default, Section) else None))
             continue
-        if field.default is PydanticUndefined and field.default_factory is None:
+        if defaults is not None:
+            default = _yaml_value(getattr(defaults, name))
+        elif not has_default:
             default = "(required)"
         else:
             default = _yaml_value(field.get_default(call_default_factory=True))

@@ -217,3 +217,19 @@ def test_report_reads_the_margin_of_runs_from_before_and_after_the_rename(tmp_pa
         (run / "recipe.yaml").write_text(yaml.safe_dump({**BASE, "train": train}))
         (run / "metrics.jsonl").write_text('{"step": 1}\n')
         assert load_run(run).margin_m == {"old": 0.3, "new": 0.3, "default": 0.05, "grpo": None}[name]
+
+
+def test_explained_defaults_are_the_values_a_recipe_gets():
+    """The default `lopd recipe explain` and docs/recipes.md show is what a recipe that leaves
+    the key out really holds (composer.encoder_lora is LoRA r 8, not LoraConfig's own 16)."""
+    from lopd_cli.config import _yaml_value
+
+    recipe = Recipe.model_validate(BASE)
+    for info in recipe_keys():
+        if info.is_section or info.default == "(required)":
+            continue
+        node = recipe
+        for part in info.key.split("."):
+            node = getattr(node, "cls" if part == "class" else part)
+        assert info.default == _yaml_value(node), info.key
+    assert next(i for i in recipe_keys() if i.key == "composer.encoder_lora.r").default == "8"

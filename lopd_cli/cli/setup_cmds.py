@@ -20,7 +20,7 @@ def init(
     model: Annotated[str, typer.Option(help="tiny, smollm2-135m-instruct, or a transformers directory.")] = "tiny",
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing project's settings and recipes.")] = False,
     seed: Annotated[int, typer.Option(help="Project seed.")] = 0,
-    base_policy: Annotated[bool, typer.Option("--base-policy/--no-base-policy", help="With --example orders --model tiny: train the tiny base policy into models/base (cached after the first build).")] = True,
+    base_policy: Annotated[bool, typer.Option("--base-policy/--no-base-policy", help="With --example orders --model tiny: copy the shipped tiny base policy into models/base (make base-policy rebuilds it).")] = True,
     debug: DebugOpt = False,
 ) -> None:
     """Create a project: lopd.yaml, recipes/ (toolcall.yaml and code.yaml always), runs/, models/."""
