@@ -198,12 +198,23 @@ class TrainSection(Section):
     # Warm start: the student of another run (runs/RUN, or a checkpoint folder) as the initial
     # student of this one; optimiser states start fresh.
     init_from: str | None = None
-    # The teacher (adapters off) of a warm-started run. "base": the recipe's backbone, as in the
-    # paper, and init_from's student is loaded as this run's student. "init": init_from's student
-    # merged into the backbone becomes this run's backbone (written once to runs/RUN/backbone/NAME/),
-    # so the teacher is the warm-start model and a fresh student adapter starts equal to it
-    # (student.py `merged_init_backbone`). LoRA students only.
-    teacher: Literal["base", "init"] = "base"
+    teacher: Literal["base", "init", "live"] = Field("base", description=(
+        "The LOPD/OPSD teacher's weights (it reads the privileged context either way). "
+        "'base': the recipe's backbone, frozen, as in the paper: a LoRA student's backbone with its "
+        "adapters off; a full student's frozen copy of the backbone (before issue 38 a full student's "
+        "teacher was the student itself). 'init': train.init_from's student, frozen: for a LoRA student "
+        "it is merged into this run's backbone (written once to runs/RUN/backbone/NAME/, student.py "
+        "`merged_init_backbone`) and a fresh student adapter starts equal to it; a full student starts "
+        "from it and keeps a frozen copy. 'live': the student's current weights (TRL SDFT's live "
+        "teacher), moving with every step; its outputs are targets only, so no gradient reaches the "
+        "student through the teacher pass."))
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description=(
+        "How `lopd train` under torchrun splits the model. 'ddp': data parallel, every rank holds the "
+        "whole model and optimiser states and the gradients are summed. 'fsdp': PyTorch FSDP2 "
+        "(fully_shard on each decoder layer and the transformer; a full student's teacher copy too): "
+        "weights, gradients and optimiser states are sharded between steps and gathered for a step, "
+        "the optimiser states are checkpointed sharded (torch.distributed.checkpoint). Ignored in one "
+        "process. train/sharding.py."))
     seed: int = 0
 
 

@@ -1,6 +1,7 @@
 """One LOPD (or OPSD) update on a batch of student rollouts: phases 2–4 of LOPD.md.
 
-    2. teacher pass: the frozen backbone (adapters off) on the teacher prompt — LOPD: latents
+    2. teacher pass: the teacher (`train.teacher`; by default the frozen backbone, adapters off, or
+       a full student's frozen copy of it) on the teacher prompt — LOPD: latents
        c_φ from the composer in the placeholder positions; OPSD: the retrieved trajectories as
        plain text — keeping the top-M ids per action token;
     3. student pass: reverse KL(p̃^S ‖ sg p̃^T) on those ids + tail, gradients into θ;
@@ -71,6 +72,15 @@ class DistillSetup:
     # privileged, not wherever the reference frame merely shifts it. One more no-grad teacher pass.
     privilege_gate: bool = False
     composer_micro_batch: int | None = None  # composer-pass rows per chunk, at most micro_batch (None: micro_batch)
+    # Whose weights the teacher pass runs (`train.teacher`): `teacher_model`, when set, is a module
+    # of its own (a full student's frozen copy: its own LM head too); `teacher_live` reads `model`
+    # through the student's view (its current weights) instead of with the adapters off.
+    teacher_model: object | None = None
+    teacher_live: bool = False
+    # When set, the composer pass's backward reaches only these parameters (φ): a live teacher, or
+    # a full student's encoder pass over its own base, puts the student's weights in that graph,
+    # and the composer objective must not train them.
+    composer_leaves: Callable[[], list] | None = None
 
 
 @dataclass
@@ -194,6 +204,9 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
     model, tok = setup.model, setup.tokenizer
     device = next(model.parameters()).device
     head = output_head(model)
+    tmodel = setup.teacher_model if setup.teacher_model is not None else model
+    t_head = output_head(tmodel) if setup.teacher_model is not None else head
+    t_view = use_student if setup.teacher_live else None
     pad = tok.pad_token_id or 0
     full = collate(episodes, pad, "cpu")
     n_seq_total = max(1, totals.n_sequences if totals else full.n_sequences)
@@ -244,11 +257,11 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
                                          None if grad else nograd)
                 sec["encode"] += time.perf_counter() - t0
                 tb = build_teacher_batch(eps, tok, n_latents).to(device)
-                th = teacher_hidden(model, tb, latents.to(device))
+                th = teacher_hidden(tmodel, tb, latents.to(device), view=t_view)
             else:
                 latents = None
                 tb = build_teacher_batch(eps, tok, 0, prompt_fn=lambda b, ep: setup.text_prompt(ep, mrefs[b])).to(device)
-                th = teacher_hidden(model, tb, th_empty_latents(len(eps), device, model))
+                th = teacher_hidden(tmodel, tb, th_empty_latents(len(eps), device, model), view=t_view)
             return to_student_layout(th, tb, tuple(collate_shape(eps))), latents, tb
 
     controls = control_references(episodes, refs) if setup.privilege_gate else None
@@ -263,7 +276,7 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         crefs = [controls[i] if controls[i] is not None else list(refs[i]) for i in rows]
         with torch.no_grad():
             c_pred, _, _ = teacher(eps, crefs, grad=False)
-            c_lp, _ = losses.chunked_logprobs(c_pred, head, topm_ids=t_ids, mask=sb.mask, chunk_size=setup.logit_chunk)
+            c_lp, _ = losses.chunked_logprobs(c_pred, t_head, topm_ids=t_ids, mask=sb.mask, chunk_size=setup.logit_chunk)
             w = losses.privilege_weights(t_lp, c_lp)
             w[~torch.tensor(have, device=w.device)] = 1.0  # no control in the batch: ungated
             m = sb.mask.bool()
@@ -293,10 +306,10 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         w_seq = sb.n_sequences / n_seq_total
         t0 = time.perf_counter()
         t_pred, _, _ = teacher(eps, mrefs, grad=False)
-        t_lp, t_ids = losses.chunked_teacher_topm(t_pred, head, setup.top_m, mask=sb.mask, chunk_size=setup.logit_chunk)
+        t_lp, t_ids = losses.chunked_teacher_topm(t_pred, t_head, setup.top_m, mask=sb.mask, chunk_size=setup.logit_chunk)
         if lopd:
             with torch.no_grad():
-                t_tok = losses.chunked_token_logprobs(t_pred, head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
+                t_tok = losses.chunked_token_logprobs(t_pred, t_head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
         del t_pred
         gate = gate_of(rows, eps, sb, t_lp, t_ids)
         sec["teacher"] += time.perf_counter() - t0
@@ -322,7 +335,7 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         wc_seq, wc_tok, wc_task = sb.n_sequences / c_seq_total, sb.n_tokens / c_tok_total, len(eps) / c_eps_total
         t0 = time.perf_counter()
         t_pred, latents, tb = teacher(eps, mrefs, grad=True)
-        t_lp, t_ids = losses.chunked_teacher_topm(t_pred.detach(), head, setup.top_m, mask=sb.mask,
+        t_lp, t_ids = losses.chunked_teacher_topm(t_pred.detach(), t_head, setup.top_m, mask=sb.mask,
                                                   chunk_size=setup.logit_chunk)
         gate = gate_of(rows, eps, sb, t_lp, t_ids)
         sec["teacher"] += time.perf_counter() - t0
@@ -330,7 +343,7 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         with torch.no_grad(), use_student(model), _autocast(setup.autocast, device):
             s_topm, s_tok = losses.chunked_logprobs(student_hidden(model, sb), head, topm_ids=t_ids,
                                                     token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
-        t_topm, t_tok = losses.chunked_logprobs(t_pred, head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask,
+        t_topm, t_tok = losses.chunked_logprobs(t_pred, t_head, topm_ids=t_ids, token_ids=sb.targets, mask=sb.mask,
                                                 chunk_size=setup.logit_chunk)
         ckl = losses.topm_reverse_kl(s_topm, t_topm, sb.mask, detach="student")
         delta = delta_of(t_tok, s_tok, sb, rows)
@@ -344,12 +357,12 @@ def distill_update(setup: DistillSetup, episodes: Sequence[Episode], refs: Seque
         # composer rows (β·m is a constant: it has no gradient and is left out).
         obj = wc_seq * ckl.loss - beta * w_delta * delta + setup.anchor_lambda * wc_task * anchor
         if n_succ_total:
-            hinge, n_pairs = _contrastive(setup, model, head, eps, tb, sb, latents, t_tok)
+            hinge, n_pairs = _contrastive(setup, tmodel, t_head, eps, tb, sb, latents, t_tok, t_view)
             if n_pairs:
                 w_c = n_pairs / n_succ_total
                 obj = obj + setup.contrastive_weight * w_c * hinge
                 out.contrastive += float(hinge.detach()) * w_c
-        obj.backward()
+        obj.backward(inputs=setup.composer_leaves()) if setup.composer_leaves is not None else obj.backward()
         del t_pred, latents, obj, t_topm, t_tok
         out.composer_kl += float(ckl.loss.detach()) * wc_seq
         out.delta += float(delta.detach()) * delta_weight(sb, n_seq_total, n_tok_total)
@@ -405,7 +418,7 @@ def _n_successes(setup: DistillSetup, full) -> int:
     return int(dist.all_reduce_sum({"n": n})["n"])
 
 
-def _contrastive(setup: DistillSetup, model, head, eps, tb, sb, latents, t_tok) -> tuple[torch.Tensor, int]:
+def _contrastive(setup: DistillSetup, model, head, eps, tb, sb, latents, t_tok, view=None) -> tuple[torch.Tensor, int]:
     """The composer pass's contrastive hinge on this micro-batch's successful rollouts: the
     teacher's NLL of each one with its own task's latents against the NLL with another task's
     (the micro-batch's latents rolled by one). Returns (mean hinge over the pairs, pairs)."""
@@ -417,7 +430,7 @@ def _contrastive(setup: DistillSetup, model, head, eps, tb, sb, latents, t_tok) 
     if not keep:
         return latents.sum() * 0.0, 0
     with _autocast(setup.autocast, latents.device):
-        th_o = teacher_hidden(model, tb, latents[torch.tensor(perm, device=latents.device)])
+        th_o = teacher_hidden(model, tb, latents[torch.tensor(perm, device=latents.device)], view=view)
         pred_o = to_student_layout(th_o, tb, tuple(sb.mask.shape))
     other = losses.chunked_token_logprobs(pred_o, head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
     idx = torch.tensor(keep, device=latents.device)
