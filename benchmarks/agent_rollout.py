@@ -17,9 +17,9 @@ from lopd_cli.agent.metrics import summarize
 from lopd_cli.agent.runner import run_episodes
 from lopd_cli.config import load_recipe
 from lopd_cli.envs.orders import OrdersEnv
-from lopd_cli.envs.orders_policy import cached_orders_base_policy, train_orders_base_policy
 from lopd_cli.models.backbone import load_backbone
 from lopd_cli.runtime import setup_torch
+from lopd_cli.train.base_policy import cached_orders_base_policy, train_orders_base_policy
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -37,7 +37,11 @@ AGENT_LOGS = 96
 SHORT_SETS = ["train.steps=2", "train.save_every=2", "rollout.rollouts_per_step=8", "rollout.batch_size=8"]
 ALGOS = ["lopd", "grpo", "opsd", "sft"]
 # Metrics that measure the machine, not the algorithm.
-CLOCK_WORDS = ("second", "time", "_s", "rate", "rss", "elapsed", "eta", "tok_per", "wall")
+CLOCK_WORDS = ("sec_", "second", "time", "_s", "rate", "rss", "memory", "elapsed", "eta", "tok_per", "wall")
+
+
+def is_clock(key: str) -> bool:
+    return any(w in key.lower() for w in CLOCK_WORDS)
 
 
 def lopd(args: list[str], cwd: Path) -> str:
@@ -88,7 +92,7 @@ def metric_rows(run_dir: Path) -> list[dict]:
     rows = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        rows.append({k: v for k, v in row.items() if not any(w in k.lower() for w in CLOCK_WORDS)})
+        rows.append({k: v for k, v in row.items() if not is_clock(k)})
     return rows
 
 
@@ -137,7 +141,7 @@ def run(out: Path, workdir: Path | None) -> None:
 
 def diff(a, b, where: str, out: list[str], rel: float = 1e-5, abs_: float = 1e-6) -> None:
     if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
+        for k in sorted(k for k in set(a) | set(b) if not is_clock(k)):
             if k not in a or k not in b:
                 out.append(f"{where}.{k}: only in {'after' if k not in a else 'before'}")
             else:

@@ -55,11 +55,12 @@ def main(argv: list[str] | None = None) -> dict:
     from lopd_cli.bank.index import build_index
     from lopd_cli.bank.retrieve import Retriever
     from lopd_cli.bank.store import Bank
+    from lopd_cli.compose.composer import Composer
     from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import scripted_agent_records
-    from lopd_cli.models.composer import Composer
-    from lopd_cli.scaffold import create_project
-    from lopd_cli.train.coldstart import holdout_split, latent_task_spread, make_examples, teacher_nll, run_coldstart
+    from lopd_cli.envs.orders_agent import scripted_agent_records
+    from lopd_cli.project.scaffold import create_project
+    from lopd_cli.train.coldstart import holdout_split, make_examples, run_coldstart
+    from lopd_cli.train.teacher_nll import latent_task_spread, teacher_nll
 
     root = Path(args.out or tempfile.mkdtemp(prefix="lopd-coldstart-"))
     project = create_project(root, example="orders", model=args.model, force=True, base_policy=not args.no_base_policy)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     before = teacher_nll(model, tok, fresh, val, "learned")
     spread_before = latent_task_spread(fresh, val)
     composer = Composer.load(Path(summary["composer"]), model, tok, recipe.composer)
-    from lopd_cli.train.loop import text_reference_chars
+    from lopd_cli.train.teacher_nll import text_reference_chars
 
     text = dict(obs_char_budget=recipe.bank.obs_char_budget, text_max_chars=text_reference_chars(recipe))
     nll = {m: teacher_nll(model, tok, composer, val, m, **text)

@@ -16,14 +16,15 @@ import sys
 
 import torch
 from pathlib import Path
-from lopd_cli.project import open_project
+from lopd_cli.agent.plugins import load_env_class
 from lopd_cli.bank.retrieve import Retriever
+from lopd_cli.compose.composer import Composer
 from lopd_cli.models.adapters import attach_adapters
 from lopd_cli.models.backbone import load_backbone
-from lopd_cli.models.composer import Composer
-from lopd_cli.plugins import load_env_class
+from lopd_cli.project import open_project
 from lopd_cli.runtime import seed_everything
-from lopd_cli.train.coldstart import evenly_spaced, holdout_split, input_norm_sequences, latent_task_spread, make_examples
+from lopd_cli.train.coldstart import evenly_spaced, holdout_split, input_norm_sequences, make_examples
+from lopd_cli.train.teacher_nll import latent_task_spread
 
 recipe_name = sys.argv[1] if len(sys.argv) > 1 else "toolcall"
 torch.set_flush_denormal(True)

@@ -1,7 +1,7 @@
 """Export round trip on a real backbone: LoRA "student" (perturbed, all linear layers) →
 `export_merged` → max |logit difference| of the reloaded folder vs backbone + adapter, and time.
 
-    LOPD_CACHE=/tmp/lopdcache HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/export_roundtrip.py \
+    LOPD_CACHE=$(mktemp -d) HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/export_roundtrip.py \
         [--backbone smollm2-135m-instruct] [--rank 16] [--scale 0.05]
 """
 
@@ -25,10 +25,10 @@ def main() -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from lopd_cli.export import export_merged
     from lopd_cli.models.backbone import load_backbone, resolve_backbone
+    from lopd_cli.models.student import read_checkpoint
+    from lopd_cli.results.export import export_merged
     from lopd_cli.runtime import setup_torch
-    from lopd_cli.student import read_checkpoint
 
     setup_torch()
     work = Path(tempfile.mkdtemp(prefix="lopd-export-bench-"))

@@ -26,16 +26,16 @@ from pathlib import Path
 
 
 def main() -> None:
+    from lopd_cli.agent.plugins import load_env_class
     from lopd_cli.bank.retrieve import Retriever
+    from lopd_cli.compose.composer import Composer
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.composer import Composer
-    from lopd_cli.plugins import load_env_class
     from lopd_cli.project import open_project
     from lopd_cli.runtime import setup_torch
     from lopd_cli.train.check import rule_token_mask
-    from lopd_cli.train.coldstart import Example, holdout_split, make_examples, teacher_example_logprobs
-    from lopd_cli.train.loop import text_reference_chars
+    from lopd_cli.train.coldstart import Example, holdout_split, make_examples
+    from lopd_cli.train.teacher_nll import teacher_example_logprobs, text_reference_chars
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("project", type=Path)

@@ -1,6 +1,6 @@
 """Margin ablation on tiny: with m = 0 and the composer free, does Δ collapse toward 0?
 
-LOPD.md: "Without the margin, minimising the KL over φ pulls the teacher onto the student
+docs/algorithm.md: "Without the margin, minimising the KL over φ pulls the teacher onto the student
 (collapse)". Set-up (everything real, small):
 
     backbone   the tiny orders base policy (`cached_orders_base_policy()`: tiny trained by
@@ -11,7 +11,7 @@ LOPD.md: "Without the margin, minimising the KL over φ pulls the teacher onto t
     batch      `--rollouts` real rollouts of the base policy (student adapter at its zero init,
                temperature 1) on other training tasks, with the env's rewards; references =
                3 bank items of other tasks; the same batch every step
-    steps      `distill_update` + the composer's optimiser step + the dual step on β, exactly as
+    steps      `lopd_step` + the composer's optimiser step + the dual step on β, exactly as
                `train.loop.update` does, but the student does not step (lr 0): only φ moves,
                so any change in Δ is the composer's doing
 
@@ -41,13 +41,14 @@ def build(args) -> dict:
 
     from lopd_cli.agent.runner import make_env_factory, run_episodes
     from lopd_cli.bank.store import BankItem
+    from lopd_cli.compose.composer import Composer
     from lopd_cli.config import load_recipe
     from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import cached_orders_base_policy, noisy_oracle_transcript
+    from lopd_cli.envs.orders_agent import noisy_oracle_transcript
     from lopd_cli.models import adapters as ad
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.composer import Composer
     from lopd_cli.project import packaged_recipe
+    from lopd_cli.train.base_policy import cached_orders_base_policy
     from lopd_cli.train.coldstart import Example, item_episode, train_composer
 
     torch.manual_seed(args.seed)
@@ -113,7 +114,7 @@ def run_margin(ctx: dict, margin: float, steps: int, composer_lr: float, anchor:
     import torch
 
     from lopd_cli.models import adapters as ad
-    from lopd_cli.train.distill import DistillSetup, distill_update
+    from lopd_cli.train.step import StepSetup, lopd_step
     from lopd_cli.train.losses import dual_update
 
     restore(ctx)
@@ -124,14 +125,14 @@ def run_margin(ctx: dict, margin: float, steps: int, composer_lr: float, anchor:
     opt = torch.optim.AdamW(params, lr=composer_lr)
     student = ad.adapter_parameters(model, ad.STUDENT)
     latents0 = ctx["latents0"]
-    setup = DistillSetup(model, ctx["tok"], t.top_m, margin, anchor, t.micro_batch, t.logit_chunk,
+    setup = StepSetup(model, ctx["tok"], t.distill.top_m, margin, anchor, t.micro_batch, t.logit_chunk,
                          composer=composer, train_composer=True, latents0=lambda i, r: latents0,
                          margin_advantage=form)
-    beta, rows = t.beta0, []
+    beta, rows = t.lopd.beta0, []
     model.train()
     for step in range(1, steps + 1):
         opt.zero_grad(set_to_none=True)
-        o = distill_update(setup, ctx["episodes"], ctx["refs"], beta)
+        o = lopd_step(setup, ctx["episodes"], ctx["refs"], beta)
         for p in student:  # the student does not move (lr 0): only φ changes Δ
             p.grad = None
         gn = float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], t.grad_clip))
@@ -151,9 +152,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--composer-lr", type=float, default=1e-3)
     ap.add_argument("--anchor", type=float, default=0.2)
-    ap.add_argument("--eta-beta", type=float, default=10.0, help="train.eta_beta (recipe default 10; the paper's 0.5)")
+    ap.add_argument("--eta-beta", type=float, default=10.0, help="train.lopd.eta_beta (recipe default 10; the paper's 0.5)")
     ap.add_argument("--margin-advantage", choices=["centred", "paper"], default="centred",
-                    help="train.margin_advantage: Δ's form")
+                    help="train.lopd.margin_advantage: Δ's form")
     ap.add_argument("--bank", type=int, default=16)
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--coldstart-steps", type=int, default=10)

@@ -22,16 +22,16 @@ import torch
 
 
 def main() -> None:
+    from lopd_cli.agent.plugins import load_env_class
     from lopd_cli.bank.retrieve import Retriever
+    from lopd_cli.compose.latent import build_teacher_batch, output_head, teacher_hidden, text_teacher_prompt_ids
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.latent import build_teacher_batch, output_head, teacher_hidden, text_teacher_prompt_ids
-    from lopd_cli.plugins import load_env_class
     from lopd_cli.project import open_project
     from lopd_cli.runtime import setup_torch
     from lopd_cli.train.check import other_task_partners, rule_token_mask
     from lopd_cli.train.coldstart import holdout_split, make_examples
-    from lopd_cli.train.loop import text_reference_chars
+    from lopd_cli.train.teacher_nll import text_reference_chars
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("project", type=Path)

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import tempfile
 import subprocess
 import sys
 import time
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/lopd_real_model_bfcl"))
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lopd_real_model_bfcl")
     ap.add_argument("--categories", nargs="+", default=list(SINGLE_TURN))
     ap.add_argument("--bank-per-category", type=int, default=20, help="training tasks per category whose reference answers seed the bank")
     ap.add_argument("--eval-n", type=int, default=40, help="validation tasks (spread over the categories)")

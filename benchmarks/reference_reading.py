@@ -19,9 +19,10 @@ import torch
 
 from lopd_cli.agent.chat import tokenize_transcript
 from lopd_cli.envs.orders import OrdersEnv, make_task, random_store_rules
-from lopd_cli.envs.orders_policy import SHIPPED_DIR, noisy_oracle_transcript, with_text_references
+from lopd_cli.envs.orders_agent import noisy_oracle_transcript
 from lopd_cli.models.backbone import load_backbone
 from lopd_cli.runtime import setup_torch
+from lopd_cli.train.base_policy import SHIPPED_DIR, with_text_references
 from lopd_cli.train.check import rule_token_mask
 
 

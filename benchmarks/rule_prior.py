@@ -20,9 +20,10 @@ import torch
 
 from lopd_cli.agent.chat import tokenize_transcript
 from lopd_cli.envs.orders import OrdersEnv, make_task
-from lopd_cli.envs.orders_policy import SHIPPED_DIR, mark_rule_tokens, noisy_oracle_transcript
+from lopd_cli.envs.orders_agent import noisy_oracle_transcript
 from lopd_cli.models.backbone import load_backbone
 from lopd_cli.runtime import setup_torch
+from lopd_cli.train.base_policy import SHIPPED_DIR, mark_rule_tokens
 
 RULE_SEEDS = (0, 101, 7)
 

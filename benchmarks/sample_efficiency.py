@@ -50,7 +50,9 @@ import argparse
 import json
 import math
 import random
+import os
 import shutil
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -65,8 +67,8 @@ METHODS: dict[str, list[str]] = {
     "lopd": ["train.algo=lopd"],
     "grpo": ["train.algo=grpo"],
     "opsd": ["train.algo=opsd"],
-    "lopd_margin0": ["train.algo=lopd", "train.margin_m=0"],
-    "lopd_frozen": ["train.algo=lopd", "train.freeze_composer=true"],
+    "lopd_margin0": ["train.algo=lopd", "train.lopd.margin_m=0"],
+    "lopd_frozen": ["train.algo=lopd", "train.lopd.freeze_composer=true"],
     "sft": ["train.algo=sft"],
     "sft_lopd": ["train.algo=lopd"],  # from the seed's SFT student (run_method adds train.init_from)
 }
@@ -76,7 +78,7 @@ USES_COMPOSER = {"lopd", "lopd_margin0", "lopd_frozen", "sft_lopd"}
 
 def t_interval(values: list[float]) -> tuple[float | None, float | None]:
     """(mean, 95 % half-width) over seeds; half-width None for one seed."""
-    from lopd_cli.evaluate import mean_interval
+    from lopd_cli.results.evaluate import mean_interval
 
     if not values:
         return None, None
@@ -99,8 +101,8 @@ def crossing_budget(curve: list[tuple[float, float]], target: float) -> float | 
 def make_template(work: Path, say, base_policy: Path | None = None) -> Path:
     """The orders/tiny project every seed copies. `base_policy`: a tiny orders policy folder to
     use instead of the cached `lopd init` build (which trains one on first use)."""
-    from lopd_cli.scaffold import BASE_POLICY_BACKBONE, BASE_POLICY_DIR, _family_recipe, create_project
     from lopd_cli.project import write_recipe_for_model
+    from lopd_cli.project.scaffold import BASE_POLICY_BACKBONE, BASE_POLICY_DIR, _family_recipe, create_project
 
     tpl = work / "template"
     if tpl.exists():
@@ -114,7 +116,7 @@ def make_template(work: Path, say, base_policy: Path | None = None) -> Path:
 
 
 def evaluate_model(recipe, model, tok, label: str, split: str, n: int | None) -> dict[str, Any]:
-    from lopd_cli.evaluate import run_eval
+    from lopd_cli.results.evaluate import run_eval
 
     res, _ = run_eval(recipe, model, tok, label, split=split, n=n, success_threshold=recipe.eval.success_threshold)
     return {"success": res.success.estimate, "n": res.success.n,
@@ -147,12 +149,12 @@ def fill_bank(project, recipe, n_bank: int, seed: int) -> dict[str, Any]:
 
 
 def import_team_logs(project, recipe, n_train: int, seed: int) -> dict[str, Any]:
-    """The scripted agent's logs (the team's prior agent, `orders_policy.scripted_agent_records`)
+    """The scripted agent's logs (the team's prior agent, `envs.orders_agent.scripted_agent_records`)
     of the last `n_train` training tasks and of the validation tasks, through `logs/agent.jsonl`
     into the bank, as `lopd demo` does. Not indexed here: `fill_bank` indexes after it."""
     from lopd_cli.agent.runner import make_env_factory
     from lopd_cli.bank.store import Bank
-    from lopd_cli.envs.orders_policy import scripted_agent_records
+    from lopd_cli.envs.orders_agent import scripted_agent_records
 
     env = make_env_factory(recipe)()
     records = scripted_agent_records(env.tasks("train")[-n_train:] + env.tasks("validation"), seed=seed)
@@ -295,7 +297,7 @@ def finish(data: dict[str, Any], out: Path, report: bool) -> None:
     if data["runs"]:
         plot(data, out / "sample_efficiency.png")
         if report:
-            from lopd_cli.report import write_report
+            from lopd_cli.results.report import write_report
 
             write_report([Path(r["run_dir"]) for r in data["runs"]], out / "sample_efficiency_report.png")
 
@@ -409,7 +411,7 @@ class Study:
         return self.seed_projects[seed]
 
     def run_method(self, project, method: str, seed: int, composer_dir: Path | None) -> None:
-        from lopd_cli.student import load_student, read_checkpoint
+        from lopd_cli.models.student import load_student, read_checkpoint
         from lopd_cli.train.loop import train
 
         a = self.args
@@ -421,7 +423,7 @@ class Study:
             every = max(1, math.ceil(steps / a.points))
         extra = [f"train.steps={steps}", f"train.save_every={every}"]
         if composer_dir is not None and method in USES_COMPOSER:
-            extra.append(f"train.composer_from={composer_dir}")
+            extra.append(f"train.lopd.composer_from={composer_dir}")
         start = self.data["base"]
         if method == "sft_lopd":
             sft_dir, start = self.sft_student(project, seed, composer_dir)
@@ -491,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method-budget", action="append", default=[], metavar="METHOD=B",
                    help="a smaller budget for one method (e.g. the ablations), checkpoints spaced as the main runs'")
     p.add_argument("--set", action="append", default=[], help="extra recipe override KEY=VALUE (repeatable)")
-    p.add_argument("--work", default="/tmp/lopd_sample_efficiency")
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "lopd_sample_efficiency"))
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--no-report", dest="report", action="store_false", help="skip the `lopd report` figure")
     a = p.parse_args(argv)
@@ -501,7 +503,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.budget, a.bank, a.rollouts_per_step, a.points, a.eval_n = 24, 8, 4, 1, 4
         a.seeds, a.coldstart_steps, a.sft_steps = a.seeds[:1], 2, 2
         a.team_logs = a.team_logs or 8
-        a.set = ["rollout.max_new_tokens=32", "rollout.max_turns=3", "train.group_size=2",
+        a.set = ["rollout.max_new_tokens=32", "rollout.max_turns=3", "train.grpo.group_size=2",
                  "bank.min_reward=0.0", "bank.n_retrieve=1"] + a.set
     if a.bank >= a.budget:
         p.error("--bank must be below --budget")

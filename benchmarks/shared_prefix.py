@@ -1,4 +1,4 @@
-"""The shared-prefix forward (`models.latent.decoder_hidden`): time and exactness on a real bank.
+"""The shared-prefix forward (`compose.latent.decoder_hidden`): time and exactness on a real bank.
 
 In a world whose episodes all open with the same system prompt and tool schemas (orders: ~800
 of ~1,000 tokens), `decoder_hidden` runs that prefix once, on one row, and repeats its KV cache
@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from lopd_cli.bank.retrieve import Retriever
+    from lopd_cli.compose.composer import decoder_of
+    from lopd_cli.compose.latent import build_teacher_batch, decoder_hidden, shared_prefix_len, teacher_inputs_embeds
     from lopd_cli.models.adapters import attach_adapters, teacher_view, use_student
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.composer import decoder_of
-    from lopd_cli.models.latent import build_teacher_batch, decoder_hidden, shared_prefix_len, teacher_inputs_embeds
     from lopd_cli.project import open_project
     from lopd_cli.runtime import setup_torch
     from lopd_cli.train.coldstart import make_examples

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from lopd_cli.envs.orders import RECIPE_RULES_SEED, SIGN_OFFS, store_rules
-from lopd_cli.envs.orders_policy import BASE_POLICY_RULES_SEED
+from lopd_cli.train.base_policy import BASE_POLICY_RULES_SEED
 
 
 def count_signoffs(lines: list[str]) -> dict[str, dict[str, int]]:

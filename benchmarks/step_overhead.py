@@ -6,12 +6,12 @@ Three phases, each a full optimiser step on the same synthetic batch:
     student  the LOPD student phase alone: composer forward and teacher forward without grad
              (latents in the placeholders), the teacher's top-M (`chunked_teacher_topm`), the
              student's `chunked_reverse_kl` + backward + step
-    lopd     the whole LOPD update: `lopd_cli.train.distill.distill_update` (per micro-batch:
+    lopd     the whole LOPD update: `lopd_cli.train.step.lopd_step` (per micro-batch:
              encoder + teacher with grad, the composer's backward, then the student pass) + both
              optimiser steps + the dual step on β
-    lopd_share  the same with `train.composer_batch` = a quarter of the rows (the others: a
+    lopd_share  the same with `train.lopd.composer_batch` = a quarter of the rows (the others: a
              no-grad teacher)
-    lopd_off the step between φ updates (`train.composer_every` > 1): no-grad encode and teacher,
+    lopd_off the step between φ updates (`train.lopd.composer_every` > 1): no-grad encode and teacher,
              the student, its optimiser step
 
 and two reference pieces for the floors: the composer alone without grad (`enc_fwd`) and with
@@ -71,7 +71,7 @@ def synthetic_batch(tok, n: int, length: int, n_action: int, n_ret: int, seed: i
     from lopd_cli.agent.types import Episode, Task
     from lopd_cli.bank.store import BankItem
     from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import noisy_oracle_transcript
+    from lopd_cli.envs.orders_agent import noisy_oracle_transcript
 
     rng = random.Random(seed)
     env = OrdersEnv()
@@ -115,11 +115,11 @@ class Bench:
     def __init__(self, model_name: str, args):
         import torch
 
+        from lopd_cli.compose.composer import Composer
+        from lopd_cli.compose.latent import output_head
         from lopd_cli.config import load_recipe
         from lopd_cli.models import adapters as ad
         from lopd_cli.models.backbone import load_backbone
-        from lopd_cli.models.composer import Composer
-        from lopd_cli.models.latent import output_head
         from lopd_cli.project import packaged_recipe
 
         torch.manual_seed(0)
@@ -136,7 +136,7 @@ class Bench:
         self.student_params = ad.adapter_parameters(self.model, ad.STUDENT)
         self.composer_params = list(self.composer.resampler.parameters()) + ad.adapter_parameters(self.model, ad.ENCODER)
         self.student_opt = torch.optim.AdamW(self.student_params, lr=t.lr)
-        self.composer_opt = torch.optim.AdamW(self.composer_params, lr=t.composer_lr)
+        self.composer_opt = torch.optim.AdamW(self.composer_params, lr=t.lopd.composer_lr)
         self.episodes, self.refs = synthetic_batch(tok, args.batch, args.length, args.action_tokens,
                                                    self.recipe.bank.n_retrieve)
         self.instrs = [ep.task.instruction for ep in self.episodes]
@@ -148,7 +148,7 @@ class Bench:
 
     # -- shapes, for the report
     def shapes(self) -> dict:
-        from lopd_cli.models.latent import build_teacher_batch
+        from lopd_cli.compose.latent import build_teacher_batch
 
         tb = build_teacher_batch(self.episodes, self.tok, self.composer.latents_per_item * len(self.refs[0]))
         enc = [len(self.composer.item_token_ids(i, it)) for i, r in zip(self.instrs, self.refs) for it in r]
@@ -188,8 +188,8 @@ class Bench:
     def student(self, bf16: bool) -> None:
         import torch
 
+        from lopd_cli.compose.latent import build_teacher_batch, teacher_hidden
         from lopd_cli.models.adapters import use_student
-        from lopd_cli.models.latent import build_teacher_batch, teacher_hidden
         from lopd_cli.train import losses
         from lopd_cli.train.batch import collate, student_hidden, to_student_layout
 
@@ -200,7 +200,7 @@ class Bench:
             latents = self.composer(self.refs, self.instrs)
             tb = build_teacher_batch(self.episodes, self.tok, latents.shape[1])
             t_pred = to_student_layout(teacher_hidden(self.model, tb, latents), tb, tuple(sb.mask.shape))
-        t_lp, t_ids = losses.chunked_teacher_topm(t_pred, self.head, t.top_m, mask=sb.mask, chunk_size=t.logit_chunk)
+        t_lp, t_ids = losses.chunked_teacher_topm(t_pred, self.head, t.distill.top_m, mask=sb.mask, chunk_size=t.logit_chunk)
         with use_student(self.model), self._autocast(bf16):
             kl = losses.chunked_reverse_kl(student_hidden(self.model, sb), self.head, t_lp, t_ids, sb.mask,
                                            chunk_size=t.logit_chunk)
@@ -208,36 +208,36 @@ class Bench:
         self._clip_step(self.student_params, self.student_opt)
 
     def lopd(self, bf16: bool, rows=None) -> None:
-        from lopd_cli.train.distill import DistillSetup, distill_update
+        from lopd_cli.train.step import StepSetup, lopd_step
         from lopd_cli.train.losses import dual_update
 
         t = self.recipe.train
         self.student_opt.zero_grad(set_to_none=True)
         self.composer_opt.zero_grad(set_to_none=True)
         lat0 = dict(zip(self.instrs, self.latents0))
-        setup = DistillSetup(self.model, self.tok, t.top_m, t.margin_m, t.anchor_lambda, t.micro_batch, t.logit_chunk,
+        setup = StepSetup(self.model, self.tok, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, t.micro_batch, t.logit_chunk,
                              composer=self.composer, train_composer=True,
                              latents0=lambda ins, r: torch_stack([lat0[i] for i in ins]),
                              autocast=bf16, composer_rows=rows)
-        out = distill_update(setup, self.episodes, self.refs, self.beta)
+        out = lopd_step(setup, self.episodes, self.refs, self.beta)
         self._clip_step(self.student_params, self.student_opt)
         if rows is None or any(rows):
             self._clip_step(self.composer_params, self.composer_opt)
-            self.beta = dual_update(self.beta, t.margin_m, out.delta, t.eta_beta)
+            self.beta = dual_update(self.beta, t.lopd.margin_m, out.delta, t.lopd.eta_beta)
         self.last_seconds = dict(out.seconds)
 
     def lopd_share(self, bf16: bool) -> None:
-        """`train.composer_batch` = a quarter of the rows: φ's pass on those, a no-grad teacher on the rest."""
+        """`train.lopd.composer_batch` = a quarter of the rows: φ's pass on those, a no-grad teacher on the rest."""
         n = len(self.episodes)
         self.lopd(bf16, rows=[i < max(1, n // 4) for i in range(n)])
 
     def lopd_off(self, bf16: bool) -> None:
-        """A step without φ (`train.composer_every` > 1, off step): no-grad encode + teacher, student."""
+        """A step without φ (`train.lopd.composer_every` > 1, off step): no-grad encode + teacher, student."""
         self.lopd(bf16, rows=[False] * len(self.episodes))
 
     def head_pass(self, bf16: bool) -> None:
         """One no-grad lm_head pass over the action tokens (top-M + token log-probs): what
-        distill.py's composer phase spent re-reading the student's log-probs before they came
+        step.py's composer phase spent re-reading the student's log-probs before they came
         out of the student pass."""
         import torch
 
@@ -249,7 +249,7 @@ class Bench:
             g = torch.Generator().manual_seed(0)
             d = self.model.config.hidden_size
             self._hidden = torch.randn((*sb.mask.shape, d), generator=g)
-            self._ids = torch.randint(0, len(self.tok), (*sb.mask.shape, self.recipe.train.top_m), generator=g)
+            self._ids = torch.randint(0, len(self.tok), (*sb.mask.shape, self.recipe.train.distill.top_m), generator=g)
         with torch.no_grad():
             losses.chunked_logprobs(self._hidden, self.head, topm_ids=self._ids, token_ids=sb.targets, mask=sb.mask,
                                     chunk_size=self.recipe.train.logit_chunk)

@@ -250,7 +250,7 @@ class _Tracked:
 
 
 def is_terminal() -> bool:
-    from lopd_cli.cli.common import err_console
+    from lopd_cli.console import err_console
 
     return bool(err_console.is_terminal)
 
@@ -264,7 +264,7 @@ def make_progress(transient: bool = False) -> Any:
         return _Tracked(LogProgress())
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from lopd_cli.cli.common import err_console
+    from lopd_cli.console import err_console
 
     return _Tracked(Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -15,8 +15,8 @@ FAST = {
     # composer_every 1: the training tests check φ, its warm-up and β step by step (the default 4 is
     # covered by test_composer_batch_and_every); composer_micro_batch stays 2 < micro_batch 4, so the
     # exact-resume and 2-process tests run the chunked composer pass.
-    "train": {"steps": 2, "save_every": 1, "micro_batch": 4, "group_size": 2, "lr": 1e-3, "composer_lr": 1e-3,
-              "composer_every": 1},
+    "train": {"steps": 2, "save_every": 1, "micro_batch": 4, "lr": 1e-3, "grpo": {"group_size": 2},
+              "lopd": {"composer_lr": 1e-3, "composer_every": 1}},
 }
 
 
@@ -29,7 +29,7 @@ def deep_update(base: dict, new: dict) -> dict:
 def oracle_records(tasks, seed: int = 0):
     """Rollout records of the noisy oracle on `tasks`, scored by the orders world, tagged as
     lopd-generated so they count toward the training budget."""
-    from lopd_cli.envs.orders_policy import scripted_agent_records
+    from lopd_cli.envs.orders_agent import scripted_agent_records
 
     for rec in scripted_agent_records(list(tasks), seed=seed, noise=0.2):
         rec["meta"]["generated_by"] = "lopd"

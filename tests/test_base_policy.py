@@ -1,5 +1,5 @@
 """The tiny orders base policy: shipped as package data, rebuilt from its seed by
-`make base-policy` (python -m lopd_cli.envs.orders_policy), copied into projects by init."""
+`make base-policy` (python -m lopd_cli.train.base_policy), copied into projects by init."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lopd_cli.envs.orders import RECIPE_RULES_SEED
-from lopd_cli.envs.orders_policy import (
+from lopd_cli.train.base_policy import (
     POLICY_VERSION, SHIPPED_DIR, main, shipped_base_policy, tensors_sha256)
 
 
@@ -49,10 +49,10 @@ def test_reading_examples_mark_a_rule_their_reference_shows():
     set drawn for that example; plain examples follow the policy's own rules."""
     import random
 
+    from lopd_cli.compose.latent import FRAMING_AFTER, FRAMING_BEFORE
     from lopd_cli.envs.orders import SIGN_OFFS, store_rules
-    from lopd_cli.envs.orders_policy import BASE_POLICY_RULES_SEED, _examples, base_policy_tasks
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.latent import FRAMING_AFTER, FRAMING_BEFORE
+    from lopd_cli.train.base_policy import BASE_POLICY_RULES_SEED, _examples, base_policy_tasks
 
     _, tok = load_backbone("tiny", device="cpu")
     tasks = base_policy_tasks(60)
@@ -82,8 +82,8 @@ def test_spread_phase_examples_draw_plain_rules_at_random():
     import random
 
     from lopd_cli.envs.orders import SIGN_OFFS, store_rules
-    from lopd_cli.envs.orders_policy import BASE_POLICY_RULES_SEED, _examples, base_policy_tasks
     from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.train.base_policy import BASE_POLICY_RULES_SEED, _examples, base_policy_tasks
 
     _, tok = load_backbone("tiny", device="cpu")
     tasks = base_policy_tasks(48)

@@ -249,7 +249,7 @@ def test_signoffs_counts_each_store_by_rule_set():
     from signoffs import count_signoffs
 
     from lopd_cli.envs.orders import RECIPE_RULES_SEED, store_rules
-    from lopd_cli.envs.orders_policy import BASE_POLICY_RULES_SEED
+    from lopd_cli.train.base_policy import BASE_POLICY_RULES_SEED
 
     recipe, base = store_rules(RECIPE_RULES_SEED)["Cedar"], store_rules(BASE_POLICY_RULES_SEED)["Cedar"]
     assert recipe["sign_off"] != base["sign_off"]

@@ -73,7 +73,7 @@ def test_check_on_validation_successes_gives_distinct_finite_nlls(tmp_path, lopd
     import json
 
     from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import scripted_agent_records
+    from lopd_cli.envs.orders_agent import scripted_agent_records
 
     assert lopd("init", "p", "--example", "orders", "--model", "tiny", "--no-base-policy", cwd=tmp_path).code == 0
     project = tmp_path / "p"

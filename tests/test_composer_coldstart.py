@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lopd_cli.compose.latent_cache import LatentCache, cache_key
 from lopd_cli.errors import LopdError
-from lopd_cli.models.latent_cache import LatentCache, cache_key
-from lopd_cli.train.coldstart import same_norm_random, split_by_task
+from lopd_cli.train.coldstart import split_by_task
+from lopd_cli.train.teacher_nll import same_norm_random
 
 
 @dataclass
@@ -56,7 +57,7 @@ def test_latent_cache_keys_and_roundtrip(tmp_path):
 
 def _oracle_records(n: int) -> list[dict]:
     from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.envs.orders_policy import scripted_agent_records
+    from lopd_cli.envs.orders_agent import scripted_agent_records
 
     return scripted_agent_records(OrdersEnv(n_train=n).tasks("train"), noise=0.0)
 
@@ -67,11 +68,12 @@ def test_coldstart_cli_end_to_end(tmp_path):
     from lopd_cli.bank.retrieve import Retriever
     from lopd_cli.bank.store import Bank
     from lopd_cli.cli.main import run
+    from lopd_cli.compose.composer import Composer
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.composer import Composer
-    from lopd_cli.scaffold import create_project
-    from lopd_cli.train.coldstart import make_examples, teacher_nll
+    from lopd_cli.project.scaffold import create_project
+    from lopd_cli.train.coldstart import make_examples
+    from lopd_cli.train.teacher_nll import teacher_nll
 
     project = create_project(tmp_path / "p", example="orders", model="tiny", base_policy=False)
     sets = ["env.kwargs={n_train: 8}", "coldstart.steps=2", "coldstart.batch_size=2", "coldstart.eval_every=1",
@@ -128,8 +130,8 @@ def test_coldstart_cli_end_to_end(tmp_path):
                for m in ("learned", "random", "zeros", "shuffled", "text", "none")}
         assert all(0 < v < 20 for v in nll.values()) and len(set(nll.values())) == 6, nll
         # "text" is OPSD's teacher: the references verbatim in the frame, scored by the bare backbone.
+        from lopd_cli.compose.latent import text_teacher_prompt_ids
         from lopd_cli.models.adapters import teacher_view
-        from lopd_cli.models.latent import text_teacher_prompt_ids
 
         ep = examples[0].episode
         ids = text_teacher_prompt_ids(tok, ep.prompt_messages, ep.task.tools, examples[0].refs, 600, 1536)
@@ -146,7 +148,8 @@ def test_coldstart_cli_end_to_end(tmp_path):
         alone = teacher_nll(model, tok, composer, examples[:1], "shuffled", batch_size=1)
         assert alone == pytest.approx(teacher_nll(model, tok, composer, examples[:1], "learned", batch_size=1))
         # Different references give different latents; the same ones given to every task, none.
-        from lopd_cli.train.coldstart import Example, latent_task_spread
+        from lopd_cli.train.coldstart import Example
+        from lopd_cli.train.teacher_nll import latent_task_spread
 
         assert latent_task_spread(composer, examples[:4], batch_size=3) > 1e-3
         import dataclasses

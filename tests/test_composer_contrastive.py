@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lopd_cli.models.adapters import ENCODER, adapter_parameters
-from lopd_cli.models.composer import Composer, content_token_mask, render_item
-from lopd_cli.models.latent import build_teacher_batch
+from lopd_cli.compose.composer import Composer, content_token_mask, render_item
+from lopd_cli.compose.latent import build_teacher_batch
 from lopd_cli.train.coldstart import (
     Example,
     composer_optimizer,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from lopd_cli.compose.composer import QFORMER_FILE, Composer
 from lopd_cli.errors import LopdError
-from lopd_cli.models.composer import QFORMER_FILE, Composer
 from lopd_cli.train.coldstart import Example, input_norm_sequences
 from test_composer_latent import episode, items, setup  # noqa: F401  (fixture)
 

@@ -23,9 +23,9 @@ from lopd_cli.models.adapters import (
     use_encoder,
     use_student,
 )
+from lopd_cli.compose.composer import Composer
+from lopd_cli.compose.latent import action_token_logprobs, build_teacher_batch, teacher_inputs_embeds
 from lopd_cli.models.backbone import latent_token_id, load_backbone
-from lopd_cli.models.composer import Composer
-from lopd_cli.models.latent import action_token_logprobs, build_teacher_batch, teacher_inputs_embeds
 
 TOOLS = [{"type": "function", "function": {"name": "get_order", "description": "Look up an order",
           "parameters": {"type": "object", "properties": {"order_id": {"type": "integer"}}}}}]
@@ -226,7 +226,8 @@ def test_save_load_roundtrip_and_backbone_mismatch(setup, tmp_path):
 def test_teacher_nll_reports_progress_per_batch(setup):
     """The cold start's "validation NLL before training" counter: one call per batch, summing to
     the number of examples, and the same NLL with or without it."""
-    from lopd_cli.train.coldstart import Example, teacher_nll
+    from lopd_cli.train.coldstart import Example
+    from lopd_cli.train.teacher_nll import teacher_nll
 
     model, tok, _, composer = setup
     refs = items(5)
@@ -242,8 +243,8 @@ def test_shared_prefix_pass_equals_one_full_pass(setup, view):
     """`decoder_hidden` runs the rows' common prefix (system prompt, tools) once and repeats its
     cache: the hidden states and the gradients (into c_φ, and into a LoRA that the prefix depends
     on, in the student view) are those of one full pass."""
-    from lopd_cli.models.composer import decoder_of
-    from lopd_cli.models.latent import decoder_hidden, shared_prefix_len
+    from lopd_cli.compose.composer import decoder_of
+    from lopd_cli.compose.latent import decoder_hidden, shared_prefix_len
 
     model, tok, _, composer = setup
     eps = [episode(tok, 4821, 2), episode(tok, 77, 1), episode(tok, 5, 3, extra=" Please hurry.")]

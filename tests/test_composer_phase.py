@@ -34,15 +34,15 @@ def _zero(params):
 
 
 def _run(b, episodes, refs, rows=None, margin="centred", totals=None, beta=0.7, **kw):
-    from lopd_cli.train.distill import DistillSetup, distill_update
+    from lopd_cli.train.step import StepSetup, lopd_step
 
     t = b.recipe.train
     _zero(b.student_params + b.composer_params)
     lat0 = {i: l for i, l in zip(b.instrs, b.latents0)}
-    setup = DistillSetup(b.model, b.tok, t.top_m, t.margin_m, t.anchor_lambda, 2, t.logit_chunk, composer=b.composer,
+    setup = StepSetup(b.model, b.tok, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, 2, t.logit_chunk, composer=b.composer,
                          train_composer=True, latents0=lambda ins, r: torch.stack([lat0[i] for i in ins]),
                          margin_advantage=margin, composer_rows=rows, **kw)
-    o = distill_update(setup, episodes, refs, beta, totals)
+    o = lopd_step(setup, episodes, refs, beta, totals)
     return o, _grads(b.student_params), _grads(b.composer_params)
 
 
@@ -52,7 +52,7 @@ def _close(a, b, tol=1e-5):
 
 
 def test_each_pair_encoded_once_gives_the_same_latents_and_gradients(bench, monkeypatch):
-    from lopd_cli.train.distill import encode_latents
+    from lopd_cli.train.step import encode_latents
 
     b = bench
     # rows 0 and 3 solve the same task with the same items; row 4 shares one item with row 1
@@ -80,7 +80,7 @@ def test_each_pair_encoded_once_gives_the_same_latents_and_gradients(bench, monk
 
 
 def test_no_grad_cache_serves_repeats_and_matches_a_fresh_encode(bench):
-    from lopd_cli.train.distill import NoGradLatents, encode_latents
+    from lopd_cli.train.step import NoGradLatents, encode_latents
 
     b = bench
     cache = NoGradLatents()
@@ -128,15 +128,15 @@ def test_composer_rows_give_the_gradient_of_those_rows_alone(bench):
 
 
 def test_composer_micro_batch_chunks_the_composer_pass_and_keeps_the_gradients(bench, monkeypatch):
-    """train.composer_micro_batch: the composer pass runs in chunks of that many rows (its graphs
+    """train.lopd.composer_micro_batch: the composer pass runs in chunks of that many rows (its graphs
     are what bound the step's peak memory) and the losses and gradients stay the same sums."""
-    import lopd_cli.train.distill as distill
+    import lopd_cli.train.step as step
 
     b = bench
     o_ref, gs_ref, gc_ref = _run(b, b.episodes, b.refs)  # micro_batch 2 for every pass
     sizes = []
-    th = distill.teacher_hidden
-    monkeypatch.setattr(distill, "teacher_hidden",
+    th = step.teacher_hidden
+    monkeypatch.setattr(step, "teacher_hidden",
                         lambda m, tb, lat, **kw: sizes.append((torch.is_grad_enabled(), lat.shape[0])) or th(m, tb, lat, **kw))
     o_one, gs_one, gc_one = _run(b, b.episodes, b.refs, composer_micro_batch=1)
     assert sizes == [(True, 1)] * 6, "six composer chunks of one row, each with gradient"
@@ -154,10 +154,10 @@ def test_a_contrastive_term_with_smaller_composer_chunks_warns():
     from lopd_cli.train.loop import contrastive_chunk_warning
 
     assert contrastive_chunk_warning(TrainSection()) is None  # no contrastive term by default
-    assert contrastive_chunk_warning(TrainSection(contrastive_weight=1.0, composer_micro_batch=8)) is None
-    msg = contrastive_chunk_warning(TrainSection(contrastive_weight=1.0, composer_micro_batch=1))
+    assert contrastive_chunk_warning(TrainSection(lopd={"contrastive_weight": 1.0, "composer_micro_batch": 8})) is None
+    msg = contrastive_chunk_warning(TrainSection(lopd={"contrastive_weight": 1.0, "composer_micro_batch": 1}))
     assert "composer_micro_batch=1" in msg and "none at 1" in msg and "composer_micro_batch=8" in msg
-    assert contrastive_chunk_warning(TrainSection(algo="opsd", contrastive_weight=1.0)) is None
+    assert contrastive_chunk_warning(TrainSection(algo="opsd", lopd={"contrastive_weight": 1.0})) is None
 
 
 def test_rows_per_step_follow_composer_batch_and_every():
@@ -165,8 +165,9 @@ def test_rows_per_step_follow_composer_batch_and_every():
     from lopd_cli.config import TrainSection
     from lopd_cli.train.loop import composer_rows
 
-    def tr(**kw):
-        return types.SimpleNamespace(trains_composer=True, recipe=types.SimpleNamespace(train=TrainSection(**kw)))
+    def tr(seed=0, **lopd):
+        return types.SimpleNamespace(trains_composer=True,
+                                     recipe=types.SimpleNamespace(train=TrainSection(seed=seed, lopd=lopd)))
 
     eps = [types.SimpleNamespace(action_mask=[0, 1, 1]) for _ in range(7)] + [types.SimpleNamespace(action_mask=[1, 0])]
     assert composer_rows(tr(), eps, 1) is None

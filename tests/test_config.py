@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lopd_cli.agent.plugins import load_env_class, load_reward_fn
 from lopd_cli.config import load_recipe
 from lopd_cli.errors import LopdError
-from lopd_cli.plugins import load_env_class, load_reward_fn
 
 BASE = {"model": {"backbone": "tiny"}, "env": {"class": "envmod.py:MyEnv"}}
 
@@ -36,12 +36,12 @@ def write(tmp_path: Path, data: dict, name: str = "r.yaml") -> Path:
 def test_defaults_are_the_papers(tmp_path):
     r = load_recipe(write(tmp_path, BASE))
     assert (r.bank.n_retrieve, r.composer.num_queries, r.composer.depth) == (3, 32, 8)
-    assert (r.train.top_m, r.train.margin_m, r.train.anchor_lambda) == (20, 0.05, 0.2)
+    assert (r.train.distill.top_m, r.train.lopd.margin_m, r.train.lopd.anchor_lambda) == (20, 0.05, 0.2)
     # Departures from the paper (issue 16): a centred margin, η_β in units of the default margin
     # (0.5 / 0.05), and only full successes as experience.
-    assert (r.train.margin_advantage, r.train.eta_beta, r.bank.min_reward) == ("centred", 10.0, 1.0)
+    assert (r.train.lopd.margin_advantage, r.train.lopd.eta_beta, r.bank.min_reward) == ("centred", 10.0, 1.0)
     # And φ on every 4th step (the paper: every step), the composer pass in chunks of 2 (issue 20).
-    assert (r.train.composer_every, r.train.composer_micro_batch) == (4, 2)
+    assert (r.train.lopd.composer_every, r.train.lopd.composer_micro_batch) == (4, 2)
     assert (r.composer.encoder_lora.r, r.composer.encoder_lora.alpha) == (8, 16)
 
 

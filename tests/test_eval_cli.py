@@ -74,3 +74,26 @@ def test_eval_table_and_errors(lopd, tmp_path, recipe):
     assert "backbone tiny" in r.out and "success per category" in r.out
     bad = lopd("eval", "--recipe", recipe, "--checkpoint", tmp_path / "nowhere")
     assert bad.code == 1 and "error:" in bad.err and "nowhere" in bad.err
+
+
+def test_eval_without_recipe_refuses_a_run_of_another_world(tmp_path):
+    """`lopd eval --checkpoint runs/X` without --recipe takes the project's recipe: a run trained
+    in another env (its recipe.yaml) is refused instead of being scored on the wrong tasks."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from lopd_cli.cli.eval_cmds import check_same_world
+    from lopd_cli.config import recipe_from_dict
+    from lopd_cli.errors import LopdError
+
+    here = {"model": {"backbone": "tiny"}, "env": {"class": "lopd_cli.envs.orders:OrdersEnv", "kwargs": {"house_rules": True}}}
+    run = tmp_path / "run"
+    run.mkdir()
+    info = SimpleNamespace(run_dir=run)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(here))
+    check_same_world(info, recipe_from_dict(here))  # same world: fine
+    other = {**here, "env": {"class": "desk.py:UnitDesk", "kwargs": {}}}
+    (run / "recipe.yaml").write_text(yaml.safe_dump(other))
+    with pytest.raises(LopdError, match="pass --recipe"):
+        check_same_world(info, recipe_from_dict(here))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lopd_cli.evaluate import (
+from lopd_cli.results.evaluate import (
     EpisodeFigures,
     category_rows,
     comparison_rows,

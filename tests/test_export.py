@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from lopd_cli.errors import LopdError
-from lopd_cli.export import CHECK_CONVERSATIONS, check_inputs, export_adapter, export_merged, prompt_logits
 from lopd_cli.models.backbone import load_backbone, resolve_backbone
-from lopd_cli.student import read_checkpoint, resolve_checkpoint
+from lopd_cli.models.student import read_checkpoint, resolve_checkpoint
+from lopd_cli.results.export import CHECK_CONVERSATIONS, check_inputs, export_adapter, export_merged, prompt_logits
 
 
 def make_checkpoint(run_dir: Path, step: int = 3, latest_as_file: bool = False) -> Path:

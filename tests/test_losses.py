@@ -21,6 +21,7 @@ from lopd_cli.train.losses import (
     chunked_reverse_kl,
     chunked_teacher_topm,
     chunked_token_logprobs,
+    TermWeights,
     composer_objective,
     dual_update,
     group_advantages,
@@ -343,6 +344,28 @@ def test_composer_objective_pushes_margin_up_when_beta_positive():
     loss.backward()
     assert delta.grad.item() == pytest.approx(-2.0)  # descent increases Δ
     assert anchor.grad.item() == pytest.approx(0.2) and kl.grad.item() == pytest.approx(1.0)
+
+
+def test_composer_objective_with_weights_and_the_contrastive_term_is_the_hand_formula():
+    kl, delta, anchor, hinge = (torch.tensor(v, requires_grad=True) for v in (0.3, 0.02, 0.5, 0.4))
+    beta, m, lam, cw = 1.5, 0.05, 0.2, 0.7
+    w = TermWeights(kl=0.5, margin=0.25, anchor=0.75, contrastive=2.0)
+    loss = composer_objective(kl, beta, m, delta, anchor, lam, hinge, cw, w)
+    assert loss.item() == pytest.approx(0.5 * 0.3 + 1.5 * 0.25 * (0.05 - 0.02) + 0.2 * 0.75 * 0.5 + 0.7 * 2.0 * 0.4)
+    loss.backward()
+    grads = [kl.grad.item(), delta.grad.item(), anchor.grad.item(), hinge.grad.item()]
+    assert grads == pytest.approx([0.5, -1.5 * 0.25, 0.2 * 0.75, 0.7 * 2.0])
+    # margin_m None (the backward pass's form): β·m, a constant, is left out; the gradients stay
+    d2 = delta.detach().clone().requires_grad_(True)
+    no_const = composer_objective(kl.detach(), beta, None, d2, anchor.detach(), lam, hinge.detach(), cw, w)
+    assert no_const.item() == pytest.approx(loss.item() - 1.5 * 0.25 * 0.05)
+    no_const.backward()
+    assert d2.grad.item() == delta.grad.item()
+    # the step's logged composer_loss: Python floats, the terms added left to right, bit for bit
+    floats = (0.31, 0.7, 0.05, 0.013, 0.42, 0.2, 0.09, 0.5)
+    k, b_, m_, d, a, l_, c, cw_ = floats
+    assert composer_objective(k, b_, m_, d, a, l_, c, cw_) == k + b_ * (m_ - d) + l_ * a + cw_ * c
+    assert composer_objective(k, b_, m_, d, a, l_) == k + b_ * (m_ - d) + l_ * a  # no contrastive term
 
 
 # ---------------------------------------------------------------------------------- GRPO

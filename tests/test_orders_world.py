@@ -86,9 +86,10 @@ def test_base_policy_examples_with_references_imitate_the_clean_oracle():
     import random
 
     from lopd_cli.agent.chat import tokenize_transcript
-    from lopd_cli.envs.orders_policy import _examples, noisy_oracle_transcript
+    from lopd_cli.compose.latent import FRAMING_AFTER, FRAMING_BEFORE
+    from lopd_cli.envs.orders_agent import noisy_oracle_transcript
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.models.latent import FRAMING_AFTER, FRAMING_BEFORE
+    from lopd_cli.train.base_policy import _examples
 
     _, tok = load_backbone("tiny", device="cpu")
     tasks = OrdersEnv(n_train=40).tasks("train")

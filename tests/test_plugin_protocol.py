@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from lopd_cli.agent.env import coerce_tasks
+from lopd_cli.agent.plugins import load_env_class
 from lopd_cli.agent.types import Task
 from lopd_cli.errors import LopdError
-from lopd_cli.plugins import load_env_class
 
 REPO = Path(__file__).resolve().parents[1]
 UNITS = REPO / "examples" / "unit_desk" / "recipe.yaml"

@@ -1,4 +1,4 @@
-"""The privilege gate (train.privilege_gate): per-token weights from how much the task's own
+"""The privilege gate (train.distill.privilege_gate): per-token weights from how much the task's own
 references change the teacher against another task's, and the distillation they scale."""
 
 import sys
@@ -56,7 +56,7 @@ def _item(i):
 
 
 def test_control_is_the_next_row_of_another_task_with_other_references():
-    from lopd_cli.train.distill import control_references
+    from lopd_cli.train.step import control_references
 
     a, b, c = [_item(1), _item(2)], [_item(3), _item(4)], [_item(2), _item(1)]
     eps = [_ep("t1"), _ep("t1"), _ep("t2"), _ep("t3")]
@@ -77,14 +77,14 @@ def bench():
 
 
 def _student_grads(b, refs, gate: bool, train_composer: bool = False):
-    from lopd_cli.train.distill import DistillSetup, distill_update
+    from lopd_cli.train.step import StepSetup, lopd_step
 
     t = b.recipe.train
     for p in b.student_params + b.composer_params:
         p.grad = None
-    setup = DistillSetup(b.model, b.tok, t.top_m, t.margin_m, 0.0, 2, t.logit_chunk, composer=b.composer,
+    setup = StepSetup(b.model, b.tok, t.distill.top_m, t.lopd.margin_m, 0.0, 2, t.logit_chunk, composer=b.composer,
                          train_composer=train_composer, privilege_gate=gate)
-    o = distill_update(setup, b.episodes, refs, 0.5)
+    o = lopd_step(setup, b.episodes, refs, 0.5)
     return o, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in b.student_params]
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from lopd_cli.errors import LopdError
-from lopd_cli.report import build_report, load_run, write_report
+from lopd_cli.results.report import build_report, load_run, write_report
 
 
 def make_run(root: Path, name: str, algo: str, seed: int, steps: int = 12, per_step: int = 32, eval_every: int = 4) -> Path:
@@ -19,7 +19,7 @@ def make_run(root: Path, name: str, algo: str, seed: int, steps: int = 12, per_s
     run = root / f"{name}-{algo}-s{seed}"
     run.mkdir(parents=True)
     recipe = {"name": name, "model": {"backbone": "tiny"}, "env": {"class": "lopd_cli.envs.orders:OrdersEnv"},
-              "train": {"algo": algo, "seed": seed, "margin_m": 0.05}}
+              "train": {"algo": algo, "seed": seed, "lopd": {"margin_m": 0.05}}}
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     rng = random.Random(f"{name}-{algo}-{seed}")
     slope = 0.04 if algo == "lopd" else 0.025
@@ -120,3 +120,12 @@ def test_margin_binding_share_and_composer_health(runs):
     assert s.x == [4.0, 8.0, 12.0] and s.mean == pytest.approx([0.1, 0.05, 0.4 / 12])
     titles = {ax.get_title() for ax in report.figure.axes}
     assert {"composer: latent task spread", "ψ (encoder LoRA) gradient norm"} <= titles
+
+
+def test_a_panel_only_for_what_some_run_logged(tmp_path):
+    """GRPO logs no β, Δ or composer health: its report draws no panel for them (no empty panel)."""
+    grpo = [make_run(tmp_path, "orders-tiny", "grpo", seed) for seed in (0, 1)]
+    titles = [ax.get_title() for ax in build_report(grpo).figure.axes]
+    assert "training success" in titles and "validation success" in titles
+    assert not {"β (dual variable)", "Δ (privileged margin)", "composer: latent task spread"} & set(titles)
+    assert all(ax.lines for ax in build_report(grpo).figure.axes)

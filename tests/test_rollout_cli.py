@@ -61,7 +61,7 @@ def test_tiny_base_policy_has_the_skill_but_no_house_rules(lopd, tmp_path):
     house rules it succeeds less often, under the recipe's rules and under the rule set its first
     build phase used (rules_seed 101) alike: what it lacks is the stores' rules, and it knows no
     rule set by heart (tests/test_base_policy.py checks the prior directly)."""
-    from lopd_cli.envs.orders_policy import BASE_POLICY_RULES_SEED
+    from lopd_cli.train.base_policy import BASE_POLICY_RULES_SEED
 
     assert lopd("init", "p", "--example", "orders", "--model", "tiny", cwd=tmp_path).code == 0
     project = tmp_path / "p"

@@ -17,7 +17,8 @@ from lopd_cli.config import RolloutSection, recipe_from_dict  # noqa: E402
 from lopd_cli.envs.orders import OrdersEnv  # noqa: E402
 from lopd_cli.models import adapters as ad  # noqa: E402
 from lopd_cli.models.backbone import load_backbone  # noqa: E402
-from lopd_cli.rollout.base import SamplingParams, make_backend  # noqa: E402
+from lopd_cli.rollout.base import SamplingParams  # noqa: E402
+from lopd_cli.rollout.factory import make_backend  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -164,14 +165,15 @@ def test_trainer_steps_roll_out_the_current_student(student, tmp_path):
     """`lopd train` with `rollout.backend: vllm`: a whole step runs, and the trainer's rollouts
     always come from the student as it is now (the runner snapshots the adapter per call)."""
     from lopd_cli.project import init_project
-    from lopd_cli.train.loop import build_trainer, rollouts, train_step
+    from lopd_cli.train.loop import build_trainer, train_step
+    from lopd_cli.train.step import rollout_phase
 
     project = init_project(tmp_path / "p", example="orders", model="tiny")
     recipe = recipe_from_dict({
         "model": {"backbone": "tiny", "lora": {"r": 8}},
         "env": {"class": "lopd_cli.envs.orders:OrdersEnv", "kwargs": {"n_train": 8, "n_validation": 2, "n_test": 2}},
         "rollout": {"backend": "vllm", "max_new_tokens": 8, "max_turns": 1, "rollouts_per_step": 4, "batch_size": 4},
-        "train": {"algo": "grpo", "group_size": 2, "micro_batch": 4, "steps": 1},
+        "train": {"algo": "grpo", "grpo": {"group_size": 2}, "micro_batch": 4, "steps": 1},
     })
     tr = build_trainer(project, recipe, tmp_path / "run", show_progress=False)
     row = train_step(tr)
@@ -179,7 +181,7 @@ def test_trainer_steps_roll_out_the_current_student(student, tmp_path):
     seen = []
     for seed in (1, 2):
         set_lora_b(tr.model, seed)
-        eps = rollouts(tr, tr.train_tasks[:2], step=2)
+        eps = rollout_phase(tr, tr.train_tasks[:2], step=2)
         for e in eps:
             fresh = fresh_logprobs(tr.model, e.input_ids, recipe.rollout.temperature)
             mask = torch.tensor(e.action_mask[1:], dtype=torch.bool)

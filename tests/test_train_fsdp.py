@@ -92,20 +92,21 @@ def _trainer(project, name: str, sets: list[str]):
 
 
 def _theta_grads(tr, episodes, train_composer: bool) -> list[torch.Tensor]:
-    """θ's gradient from one distill_update on `episodes` (the composer pass on or off)."""
-    from lopd_cli.train.batch import batch_totals
-    from lopd_cli.train.distill import DistillSetup, distill_update
-    from lopd_cli.train.loop import _student_params, composer_leaves, retrieve_refs
+    """θ's gradient from one LOPD step's phases 2–4 on `episodes` (the composer pass on or off)."""
+    from dataclasses import replace
 
-    t = tr.recipe.train
+    from lopd_cli.train.batch import batch_totals
+    from lopd_cli.train.optim import _student_params
+    from lopd_cli.train.step import lopd_step, retrieve_refs, step_setup
+
     for p in _student_params(tr.model) + list(tr.composer.parameters()):
         p.grad = None
-    setup = DistillSetup(tr.model, tr.tokenizer, t.top_m, t.margin_m, t.anchor_lambda, t.micro_batch, t.logit_chunk,
-                         composer=tr.composer, train_composer=train_composer, latents0=tr.latents0,
-                         teacher_model=tr.teacher, teacher_live=t.teacher == "live",
-                         composer_leaves=composer_leaves(tr) if train_composer else None)
+    setup = step_setup(tr)  # the trainer's teacher and, with the composer pass, composer_leaves
+    assert setup.composer_leaves is not None or (tr.recipe.model.student, tr.recipe.train.teacher) == ("lora", "base")
+    if not train_composer:
+        setup = replace(setup, train_composer=False, composer_leaves=None)
     tr.model.train()
-    distill_update(setup, episodes, retrieve_refs(tr, episodes), beta=1.0, totals=batch_totals(episodes))
+    lopd_step(setup, episodes, retrieve_refs(tr, episodes), beta=1.0, totals=batch_totals(episodes))
     return [p.grad.clone() for p in _student_params(tr.model) if p.grad is not None]
 
 
@@ -114,7 +115,7 @@ def test_the_composer_objective_never_trains_the_student(project, student, teach
     """θ's gradient is the student pass's alone, whether or not the composer pass runs (before
     issue 38 a full student's θ also took the composer objective's gradient, through its encoder
     pass and its teacher pass, which were its own weights)."""
-    from lopd_cli.train.loop import rollouts
+    from lopd_cli.train.step import rollout_phase
 
     tr = _trainer(project, f"leak-{student}-{teacher}", [f"model.student={student}", f"train.teacher={teacher}"])
     assert (tr.teacher is not None) == (student == "full" and teacher == "base")
@@ -122,7 +123,7 @@ def test_the_composer_objective_never_trains_the_student(project, student, teach
         for n, p in tr.model.named_parameters():
             if ".lora_B.student." in n:
                 p.normal_(0, 0.05)
-    episodes = rollouts(tr, tr.train_tasks[:4], step=1)
+    episodes = rollout_phase(tr, tr.train_tasks[:4], step=1)
     plain = _theta_grads(tr, episodes, train_composer=False)
     joint = _theta_grads(tr, episodes, train_composer=True)
     assert plain and len(plain) == len(joint) and any(bool(g.abs().sum() > 0) for g in plain)
@@ -154,12 +155,12 @@ def test_full_student_teacher_is_a_frozen_copy_of_the_base(project):
 def test_a_live_teacher_reads_the_students_current_weights(project):
     """train.teacher=live (LoRA): the teacher pass runs the student adapter, so changing the
     adapter changes the teacher's targets; with the default teacher (adapters off) it does not."""
-    from lopd_cli.models.latent import build_teacher_batch, teacher_hidden
+    from lopd_cli.compose.latent import build_teacher_batch, teacher_hidden
     from lopd_cli.models.adapters import use_student
-    from lopd_cli.train.loop import rollouts
+    from lopd_cli.train.step import rollout_phase
 
     tr = _trainer(project, "live-lora", [])
-    episodes = rollouts(tr, tr.train_tasks[:2], step=1)
+    episodes = rollout_phase(tr, tr.train_tasks[:2], step=1)
     latents = torch.randn((2, 4, tr.model.get_input_embeddings().weight.shape[1]))
     tb = build_teacher_batch(episodes, tr.tokenizer, 4)
 

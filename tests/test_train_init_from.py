@@ -36,15 +36,15 @@ def _train(project, name: str, overrides: list[str], resume: bool = False):
 
 
 def _inputs(tokenizer):
-    from lopd_cli.export import check_inputs
+    from lopd_cli.results.export import check_inputs
 
     return check_inputs(tokenizer, PROMPT + [[{"role": "user", "content": "Cancel my last order."}]])
 
 
 def _student_logits(model, inputs):
     """Logits of the trainer model's student view (or of a plain / peft model as it is)."""
-    from lopd_cli.export import prompt_logits
     from lopd_cli.models import adapters as ad
+    from lopd_cli.results.export import prompt_logits
 
     if hasattr(model, "lopd_full_student"):
         with ad.use_student(model):
@@ -53,7 +53,7 @@ def _student_logits(model, inputs):
 
 
 def _checkpoint_student(path):
-    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.models.student import load_student, read_checkpoint, resolve_checkpoint
 
     return load_student(read_checkpoint(resolve_checkpoint(path)), device="cpu")
 
@@ -81,8 +81,8 @@ def test_step0_student_is_the_source_final_student(project):
 def test_chained_lopd_records_resumes_and_exports(project, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from lopd_cli.export import export_merged
-    from lopd_cli.student import read_checkpoint, resolve_checkpoint
+    from lopd_cli.models.student import read_checkpoint, resolve_checkpoint
+    from lopd_cli.results.export import export_merged
 
     sets = ["train.init_from=runs/src-sft", "train.steps=2", "train.save_every=1"]
     tr = _train(project, "chain", sets)
@@ -202,8 +202,8 @@ def test_a_distillation_run_warm_started_from_lora_warns_that_its_teacher_is_the
 
 
 def _teacher_logits(model, inputs):
-    from lopd_cli.export import prompt_logits
     from lopd_cli.models import adapters as ad
+    from lopd_cli.results.export import prompt_logits
 
     with ad.teacher_view(model):
         return prompt_logits(model, inputs)
@@ -217,8 +217,8 @@ def test_teacher_init_makes_the_warm_start_model_the_teacher(project, tmp_path):
     import warnings
 
     from lopd_cli.errors import LopdWarning
-    from lopd_cli.export import export_merged
-    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.models.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.results.export import export_merged
 
     src, tok = _checkpoint_student(project.runs_dir / "src-sft")
     inputs = _inputs(tok)
@@ -282,7 +282,7 @@ def test_teacher_init_for_a_full_student_is_a_frozen_copy_of_the_warm_start(proj
     """model.student=full, train.teacher=init: the student starts from the warm start (merged
     into runs/RUN/backbone/) and the teacher is a frozen copy of it, which training leaves as it
     is; the checkpoint records the teacher."""
-    from lopd_cli.student import read_checkpoint, resolve_checkpoint
+    from lopd_cli.models.student import read_checkpoint, resolve_checkpoint
 
     src, tok = _checkpoint_student(project.runs_dir / "src-sft")
     inputs = _inputs(tok)
@@ -331,5 +331,5 @@ def test_coldstart_with_teacher_init_trains_and_checks_against_the_warm_start_mo
 
     # a LOPD run on the same teacher takes that composer (it is matched to the backbone by name)
     tr = _train(project, "ti-lopd", ["train.init_from=runs/src-sft", "train.teacher=init", "train.steps=1",
-                                     "train.composer_from=runs/coldstart-ti"])
+                                     "train.lopd.composer_from=runs/coldstart-ti"])
     assert tr.composer_dir == project.runs_dir / "coldstart-ti" / "composer"

@@ -81,7 +81,7 @@ def test_lopd_steps_update_student_and_composer(project):
 
 
 def test_frozen_composer_does_not_change(project):
-    tr, rows = _run(project, "lopd-frozen", ["train.freeze_composer=true"])
+    tr, rows = _run(project, "lopd-frozen", ["train.lopd.freeze_composer=true"])
     from safetensors.torch import load_file
 
     before = load_file(str(project.runs_dir / "coldstart" / "composer" / "qformer.safetensors"))
@@ -93,7 +93,7 @@ def test_frozen_composer_does_not_change(project):
 def test_composer_batch_and_every(project):
     """φ on 2 of the 4 rows on step 1 and not at all on step 2 (composer_every 2): no composer
     gradient, no warm-up or β step there; the student trains on every step."""
-    tr, rows = _run(project, "lopd-share", ["train.composer_batch=2", "train.composer_every=2"])
+    tr, rows = _run(project, "lopd-share", ["train.lopd.composer_batch=2", "train.lopd.composer_every=2"])
     assert [r["composer_rows"] for r in rows] == [2, 0]
     assert rows[0]["grad_norm_composer"] > 0 and rows[1]["grad_norm_composer"] is None
     assert rows[1]["beta"] == rows[0]["beta"]
@@ -112,10 +112,10 @@ def test_baselines_run_in_the_same_loop(project, algo):
 
 
 def test_beta_rises_below_margin_and_stays_zero_above(project):
-    _, high = _run(project, "beta-high", ["train.margin_m=10.0", "train.steps=3"])
+    _, high = _run(project, "beta-high", ["train.lopd.margin_m=10.0", "train.steps=3"])
     betas = [r["beta"] for r in high]
     assert betas[0] > 0 and betas == sorted(betas) and betas[-1] > betas[0], betas
-    _, low = _run(project, "beta-low", ["train.margin_m=-10.0", "train.beta0=1.0", "train.steps=2"])
+    _, low = _run(project, "beta-low", ["train.lopd.margin_m=-10.0", "train.lopd.beta0=1.0", "train.steps=2"])
     assert [r["beta"] for r in low] == [0.0, 0.0], "β falls to 0 (clamped) when Δ > m"
 
 
@@ -124,8 +124,8 @@ def test_composer_health_at_every_eval_and_collapse_warning(project):
 
     # a threshold no composer reaches: the collapse warning must fire at each eval
     with pytest.warns(LopdWarning, match="collapsed into a fixed prompt"):
-        _, rows = _run(project, "health", ["train.eval_every=1", "train.eval_n=2", "train.health_n=4",
-                                           "train.min_task_spread=1e6"])
+        _, rows = _run(project, "health", ["train.eval_every=1", "train.eval_n=2", "train.lopd.health_n=4",
+                                           "train.lopd.min_task_spread=1e6"])
     for r in rows:
         assert 0 < r["composer/latent_task_spread"] < 10
         assert r["composer/nll_gap"] == pytest.approx(r["composer/nll_shuffled"] - r["composer/nll_own"])
@@ -135,7 +135,7 @@ def test_composer_health_at_every_eval_and_collapse_warning(project):
 
 
 def test_paper_margin_form_still_runs(project):
-    _, rows = _run(project, "paper-margin", ["train.margin_advantage=paper", "train.steps=1"])
+    _, rows = _run(project, "paper-margin", ["train.lopd.margin_advantage=paper", "train.steps=1"])
     assert rows[0]["margin_defined"] is True and isinstance(rows[0]["delta"], float)
 
 

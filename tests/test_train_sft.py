@@ -81,7 +81,7 @@ def _nll(model, tokenizer, items) -> float:
 
 def test_sft_lowers_the_nll_of_bank_successes(project):
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.models.student import load_student, read_checkpoint, resolve_checkpoint
     from lopd_cli.train.sampler import TaskSampler
 
     tr, rows = _train(project, "sft-a", ["train.steps=4", "train.micro_batch=3", "train.logit_chunk=16"])
@@ -173,7 +173,7 @@ def test_errors_are_one_line(project, lopd, tmp_path):
 def test_two_gloo_processes_match_one_process(project):
     env = {**os.environ, "LOPD_THREADS": "1", "OMP_NUM_THREADS": "1"}
     sets = ["--set", "train.algo=sft", "--set", "train.steps=3", "--set", "train.micro_batch=1",
-            "--set", "train.sft_batch=5", "--set", "train.save_every=1"]
+            "--set", "train.sft.batch=5", "--set", "train.save_every=1"]
     base = ["-m", "lopd_cli", "train", "-C", str(project.root), "--recipe", "toolcall", *sets, "--json"]
     for cmd in ([sys.executable, *base, "--run", "sft-one"],
                 [TORCHRUN, "--standalone", "--nproc_per_node", "2", *base, "--run-name", "sft-two"]):

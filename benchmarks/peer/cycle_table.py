@@ -1,6 +1,6 @@
 """Seconds per step of a bench_peer report, as the mean over the measured steps (issue 20).
 
-bench_peer reports medians. With `train.composer_every` = k, one step in k is a composer step
+bench_peer reports medians. With `train.lopd.composer_every` = k, one step in k is a composer step
 and the others are not, so the median is an off-step's time and hides the composer's cost. The
 mean over measured steps that span whole cycles is what a run pays per step: run bench_peer with
 `--warmup 1 --steps` a multiple of k (steps 2 … k+1 hold exactly one composer step). "off-step": the mean

@@ -1,11 +1,11 @@
-"""bench_peer plugin: the shared product plugin (../shared/peer_trl/lopd_product_plugin.py) with
+"""bench_peer plugin: the product plugin (lopd_product_plugin.py, next to this file) with
 recipe overrides, so several composer-phase settings interleave in one process.
 
-    LOPD_PEER_SETTINGS="lopd_all:;lopd_c2:train.composer_batch=2;lopd_e4:train.composer_every=4"
-    .venv-peer/bin/python $B --model ~/.cache/lopd/models/tiny --workloads sdft,sft \\
+    LOPD_PEER_SETTINGS="lopd_all:;lopd_c2:train.lopd.composer_batch=2;lopd_e4:train.lopd.composer_every=4"
+    .venv-peer/bin/python benchmarks/peer/bench_peer.py --model ~/.cache/lopd/models/tiny --workloads sdft,sft \\
         --plugin benchmarks/peer/lopd_settings_plugin.py --plugin ... (once per setting)
 
-Each --plugin occurrence takes the next `name:override,override` entry. The shared plugin's
+Each --plugin occurrence takes the next `name:override,override` entry. The product plugin's
 step-structure check (2 backward calls, 2 chunked_logprobs calls: the old phase order) is
 dropped: with composer rows split from the others the counts differ. Its backward/log-prob
 labels follow call order, so for this code read the totals (p_update, total), not those labels.
@@ -19,8 +19,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-SHARED = Path(os.environ.get("LOPD_PEER_PLUGIN", Path(__file__).resolve().parents[3] / "shared" / "peer_trl"
-                              / "lopd_product_plugin.py"))
+SHARED = Path(os.environ.get("LOPD_PEER_PLUGIN", Path(__file__).resolve().parent / "lopd_product_plugin.py"))
 _i = getattr(builtins, "_lopd_peer_setting", 0)
 builtins._lopd_peer_setting = _i + 1
 _entries = [e for e in os.environ.get("LOPD_PEER_SETTINGS", "lopd_product:").split(";") if e.strip()]

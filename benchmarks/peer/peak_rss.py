@@ -7,7 +7,7 @@ lopd: one step, which is a composer step), and tabulates each process's peak RSS
 
     export TRL_EXPERIMENTAL_SILENCE=1 OMP_NUM_THREADS=1 LOPD_THREADS=1 HF_HUB_OFFLINE=1
     .venv-peer/bin/python benchmarks/peer/peak_rss.py --model ~/.cache/lopd/models/tiny \\
-        --settings "lopd_cmb8:train.composer_micro_batch=8;lopd_default:" --out benchmarks/results/peer/peak_rss_tiny.json
+        --settings "lopd_cmb8:train.lopd.composer_micro_batch=8;lopd_default:" --out benchmarks/results/peer/peak_rss_tiny.json
 
 A setting is `name:override,override` as in lopd_settings_plugin.py; `name:` alone is the
 recipe defaults. Other bench_peer options (--batch, --prompt-len, ...) pass through after `--`.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-BENCH = Path(os.environ.get("LOPD_PEER_BENCH", ROOT.parent / "shared" / "peer_trl" / "bench_peer.py"))
+BENCH = Path(os.environ.get("LOPD_PEER_BENCH", HERE / "bench_peer.py"))
 PLUGIN = HERE / "lopd_settings_plugin.py"
 
 

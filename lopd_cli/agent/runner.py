@@ -37,7 +37,8 @@ from lopd_cli.agent.toolcalls import call_key, parse_tool_calls, to_openai_tool_
 from lopd_cli.agent.types import Episode, Task, ToolCall
 from lopd_cli.config import Recipe, RolloutSection
 from lopd_cli.errors import LopdError
-from lopd_cli.rollout.base import Backend, SamplingParams, make_backend
+from lopd_cli.rollout.base import Backend, SamplingParams
+from lopd_cli.rollout.factory import make_backend
 
 
 class ToolTimeout(Exception):
@@ -341,7 +342,7 @@ def _chunk_key(start: int, batch_size: int) -> int:
 
 def make_env_factory(recipe: Recipe) -> Callable[[], Any]:
     """A zero-argument constructor of the recipe's environment (one instance per episode)."""
-    from lopd_cli.plugins import load_env_class
+    from lopd_cli.agent.plugins import load_env_class
 
     cls = load_env_class(recipe.env.cls, recipe.base_dir)
     kwargs = dict(recipe.env.kwargs)
@@ -356,7 +357,7 @@ def load_reward(recipe: Recipe) -> Callable[[Task, list[dict]], float] | None:
     """The recipe's reward plugin (None: the environment's own reward)."""
     if not recipe.reward:
         return None
-    from lopd_cli.plugins import load_reward_fn
+    from lopd_cli.agent.plugins import load_reward_fn
 
     fn = load_reward_fn(recipe.reward, recipe.base_dir)
 

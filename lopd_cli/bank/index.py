@@ -237,7 +237,7 @@ def build_index(project: Any, recipe: Any = None, rebuild: bool = False, progres
         if index is not None and index.fingerprint != fingerprint:
             raise LopdError(stale_message(directory, index.fingerprint, fingerprint))
         if progress:
-            from lopd_cli.cli.common import progress as make_progress
+            from lopd_cli.progress import make_progress
 
             with make_progress() as bar:
                 index, report = sync_index(index, bank, cfg, fingerprint, progress=bar)

@@ -8,10 +8,8 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 
-console = Console()
-err_console = Console(stderr=True)
+from lopd_cli.console import console, err_console  # noqa: F401  (the commands import them from here)
 
 ProjectOpt = Annotated[
     Optional[Path],

@@ -41,6 +41,23 @@ def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     out.print(table)
 
 
+def check_same_world(info, r) -> None:
+    """Without --recipe, eval uses the project's default recipe: refuse a run trained in another
+    world (its own recipe.yaml names another env or reward), which would be scored on the wrong tasks."""
+    import yaml
+
+    saved = (info.run_dir / "recipe.yaml") if info.run_dir else None
+    if saved is None or not saved.is_file():
+        return
+    data = yaml.safe_load(saved.read_text()) or {}
+    env = data.get("env") or {}
+    trained = (env.get("class"), env.get("kwargs") or {}, data.get("reward"))
+    here = (r.env.cls, r.env.kwargs, r.reward)
+    if trained != here:
+        raise LopdError(f"{info.run_dir} was trained in env {trained[0]} {trained[1]} (its recipe.yaml), but the "
+                        f"project's recipe '{r.name or r.source}' is env {here[0]} {here[1]}: pass --recipe")
+
+
 def eval_cmd(
     recipe: RecipeOpt = None,
     checkpoint: Annotated[Optional[list[str]], typer.Option("--checkpoint", help="A run folder, step folder or 'latest' (repeatable).")] = None,
@@ -58,10 +75,10 @@ def eval_cmd(
     """Evaluate students alone (no bank, composer or teacher): success and reward with 95 %
     intervals, and behaviour (tool calls, repeats, invalid calls, first-turn length)."""
     from lopd_cli.config import load_recipe
-    from lopd_cli.evaluate import category_rows, comparison_rows, run_eval
     from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.models.student import load_student, read_checkpoint, resolve_checkpoint
     from lopd_cli.project import find_recipe, open_project
-    from lopd_cli.student import load_student, read_checkpoint, resolve_checkpoint
+    from lopd_cli.results.evaluate import category_rows, comparison_rows, run_eval
 
     proj = open_project(project, required=recipe is None)
     r = load_recipe(find_recipe(recipe or proj.settings.recipe, proj), set_ or [])
@@ -77,6 +94,8 @@ def eval_cmd(
         loaders.append((f"backbone {r.model.backbone}", lambda: load_backbone(r.model.backbone, r.model.dtype, r.model.device, search)))
     for spec in checkpoint or []:
         info = read_checkpoint(resolve_checkpoint(spec, runs_dir=proj.runs_dir if proj else None))
+        if recipe is None:
+            check_same_world(info, r)
         if info.backbone != r.model.backbone:
             err_console.print(f"[yellow]note[/yellow]: {info.path} was trained on '{info.backbone}', the recipe names '{r.model.backbone}'")
         run = info.run_dir.name if info.run_dir else info.path.parent.name

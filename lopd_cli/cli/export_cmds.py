@@ -26,10 +26,10 @@ def export(
     debug: DebugOpt = False,
 ) -> None:
     """Export a checkpoint's student: no bank, composer or teacher is needed at inference."""
-    from lopd_cli.export import export_adapter, export_merged
     from lopd_cli.models.backbone import pick_device
+    from lopd_cli.models.student import read_checkpoint, resolve_checkpoint
     from lopd_cli.project import open_project
-    from lopd_cli.student import read_checkpoint, resolve_checkpoint
+    from lopd_cli.results.export import export_adapter, export_merged
 
     if merge_lora == adapter_only:
         raise LopdError("choose one of --merge-lora or --adapter-only")

@@ -21,7 +21,7 @@ from lopd_cli.errors import LopdError, LopdWarning
 HELP_PANELS: dict[str, list[str]] = {
     "Project": ["init", "models", "recipe", "demo"],
     "Experience": ["rollout", "bank"],
-    "Training": ["coldstart", "train"],
+    "Training": ["coldstart", "train", "evolve"],
     "Results": ["eval", "export", "report"],
 }
 HELP_ORDER = [name for names in HELP_PANELS.values() for name in names]
@@ -56,6 +56,7 @@ COMMAND_MODULES = [
     "lopd_cli.cli.report_cmds",
     "lopd_cli.cli.coldstart_cmds",
     "lopd_cli.cli.train_cmds",
+    "lopd_cli.cli.evolve_cmds",
 ]
 
 

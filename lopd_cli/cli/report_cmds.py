@@ -21,7 +21,7 @@ def report(
     """Plot success/reward against rollouts and β, Δ, KL against steps; seeds of one recipe
     and algorithm are averaged (mean ± 95 % band)."""
     from lopd_cli.project import open_project
-    from lopd_cli.report import write_report
+    from lopd_cli.results.report import write_report
 
     proj = open_project(project, required=False)
     dirs = []

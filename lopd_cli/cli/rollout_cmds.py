@@ -1,6 +1,7 @@
-"""`lopd rollout --recipe R -n N [--split S] [--out FILE] [--to-bank]`: run the recipe's model in
-its world, write rollout JSONL (the format `lopd bank add-rollouts` reads) and print the
-behaviour summary (success, reward, tool calls, repeats, invalid calls, first-turn length)."""
+"""`lopd rollout --recipe R -n N [--split S] [--out FILE] [--to-bank] [--checkpoint RUN | --model DIR]`:
+run the recipe's model (or a trained student, or another model) in its world, write rollout JSONL
+(the format `lopd bank add-rollouts` reads) and print the behaviour summary (success, reward, tool
+calls, repeats, invalid calls, first-turn length)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def rollout(
     n: Annotated[int, typer.Option("-n", help="Number of episodes (tasks are cycled if the split is smaller).", min=1)] = 32,
     split: Annotated[str, typer.Option(help="Task split: train, validation or test.")] = "train",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="JSONL file to write (default: rollouts/RECIPE-SPLIT-TIME.jsonl).")] = None,
+    checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Roll out a trained student: a run folder, step folder or 'latest'.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Roll out this model instead: a plain transformers directory or embedded name.")] = None,
     to_bank: Annotated[bool, typer.Option("--to-bank", help="Also add the rollouts to the project's bank (successful ones are kept).")] = False,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed (default: the recipe's train.seed).")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Override rollout.temperature (0 = greedy).", min=0.0)] = None,
@@ -47,8 +50,8 @@ def rollout(
     from lopd_cli.agent.metrics import summarize
     from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes, select_tasks
     from lopd_cli.config import load_recipe
-    from lopd_cli.models.backbone import load_backbone
     from lopd_cli.project import find_recipe, open_project
+    from lopd_cli.models.student import load_policy
 
     proj = open_project(project, required=recipe is None or to_bank)
     r = load_recipe(find_recipe(recipe or proj.settings.recipe, proj), set_ or [])
@@ -56,15 +59,16 @@ def rollout(
     reward_fn = load_reward(r)
     tasks = select_tasks(env_factory, split, n)
     search = [r.base_dir] + ([proj.root] if proj else [])
-    model, tokenizer = load_backbone(r.model.backbone, r.model.dtype, r.model.device, search)
+    policy, tokenizer, produced_by = load_policy(r, search, checkpoint=checkpoint, model=model,
+                                                 runs_dir=proj.runs_dir if proj else None)
     seed = r.train.seed if seed is None else seed
     name = r.name or (Path(r.source).stem if r.source else "recipe")
-    meta = {"model": r.model.backbone, "recipe": name, "split": split, "generated_by": "lopd"}
+    meta = {**produced_by, "recipe": name, "split": split, "generated_by": "lopd"}
 
     with progress() as bar:
         job = bar.add_task("rollouts", total=len(tasks), info="")
         episodes = run_episodes(
-            model, tokenizer, env_factory, tasks, r.rollout, seed=seed, reward_fn=reward_fn,
+            policy, tokenizer, env_factory, tasks, r.rollout, seed=seed, reward_fn=reward_fn,
             progress=lambda k: bar.advance(job, k), temperature=temperature, meta=meta,
         )
     records = [e.to_record() for e in episodes]

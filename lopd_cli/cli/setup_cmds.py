@@ -1,12 +1,14 @@
-"""`lopd init`, `lopd models`, `lopd recipe check`: setting a project up."""
+"""`lopd init`, `lopd models`, `lopd recipe check`, `lopd recipe explain`: setting a project up."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from lopd_cli.cli.common import DebugOpt, JsonOpt, ProjectOpt, SetOpt, console, print_json
 from lopd_cli.errors import LopdError
@@ -18,12 +20,12 @@ def init(
     model: Annotated[str, typer.Option(help="tiny, smollm2-135m-instruct, or a transformers directory.")] = "tiny",
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing project's settings and recipes.")] = False,
     seed: Annotated[int, typer.Option(help="Project seed.")] = 0,
-    base_policy: Annotated[bool, typer.Option("--base-policy/--no-base-policy", help="With --example orders --model tiny: train the tiny base policy into models/base (cached after the first build).")] = True,
+    base_policy: Annotated[bool, typer.Option("--base-policy/--no-base-policy", help="With --example orders --model tiny: copy the shipped tiny base policy into models/base (make base-policy rebuilds it).")] = True,
     debug: DebugOpt = False,
 ) -> None:
     """Create a project: lopd.yaml, recipes/ (toolcall.yaml and code.yaml always), runs/, models/."""
     from lopd_cli.cli.common import progress as progress_bar
-    from lopd_cli.scaffold import create_project
+    from lopd_cli.project.scaffold import create_project
 
     with progress_bar(transient=True) as bar:
         job = None
@@ -71,8 +73,8 @@ def recipe_check(
     debug: DebugOpt = False,
 ) -> None:
     """Validate a recipe (schema, env class, reward plugin) and print it resolved."""
+    from lopd_cli.agent.plugins import load_env_class, load_reward_fn
     from lopd_cli.config import load_recipe
-    from lopd_cli.plugins import load_env_class, load_reward_fn
     from lopd_cli.project import find_recipe, open_project
 
     proj = open_project(project, required=False)
@@ -86,6 +88,38 @@ def recipe_check(
     else:
         console.print(f"# {path}: ok", highlight=False)
         console.print(r.to_yaml(), highlight=False, markup=False)
+
+
+@recipe_app.command("explain")
+def recipe_explain(
+    key: Annotated[Optional[str], typer.Argument(help="A key (train.lopd.margin_m) or a section (train.lopd); default: all.")] = None,
+    as_json: JsonOpt = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the whole reference as Markdown (docs/recipes.md).")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Print recipe keys with their defaults and descriptions: all, a section, or one key."""
+    from lopd_cli.config import explain, recipe_reference_markdown
+
+    if markdown:
+        if key:
+            raise LopdError("--markdown prints the whole reference; drop the KEY")
+        sys.stdout.write(recipe_reference_markdown())
+        return
+    infos = explain(key)
+    if as_json:
+        print_json([{"key": i.key, "type": i.type, "default": i.default, "description": i.description}
+                    for i in infos if not i.is_section])
+        return
+    table = Table(title=f"recipe keys: {key}" if key else "recipe keys")
+    for col, style in (("key", "bold"), ("type", None), ("default", "cyan")):
+        table.add_column(col, style=style, no_wrap=True)
+    table.add_column("description", ratio=1)
+    for i in infos:  # Text: no rich markup in keys or descriptions
+        if i.is_section:
+            table.add_row(Text(i.key), Text("section"), Text(""), Text(i.description), style="dim")
+        else:
+            table.add_row(Text(i.key), Text(i.type), Text(i.default), Text(i.description))
+    console.print(table)
 
 
 def register(app: typer.Typer) -> None:

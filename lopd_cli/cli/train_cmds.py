@@ -70,7 +70,8 @@ def train(
     console.print(f"[green]done[/green]: {run_dir} ({tr.state.step} steps, {tr.state.rollouts_total} rollouts in total)")
     if rows:
         console.print(f"  last step: {_step_info(rows[-1], ', ')}")
-    console.print(f"  next: lopd eval --recipe {r.name or 'R'} --checkpoint {run_dir}")
+    hint = f"--recipe {recipe} " if recipe else ""  # what the user typed finds the recipe again
+    console.print(f"  next: lopd eval {hint}--checkpoint {run_dir}")
 
 
 def _step_info(row: dict, sep: str = " ") -> str:

@@ -39,7 +39,7 @@ from lopd_cli.errors import LopdError
 SYSTEM_PROMPT = "You are a customer-service agent. Use the tools, then answer in one short sentence."
 
 SPLIT_SEED_BASE = {"train": 0, "validation": 1_000_000, "test": 2_000_000,
-                   "base": 3_000_000}  # "base": the tiny base policy's own tasks (orders_policy)
+                   "base": 3_000_000}  # "base": the tiny base policy's own tasks (train.base_policy)
 SPLIT_ORDER = ("train", "validation", "test")
 DEFAULT_SIZES = {"train": 512, "validation": 64, "test": 128}
 

@@ -1,1 +1,1 @@
-"""Backbones (tiny, SmolLM2, any transformers directory), the latent composer and injection."""
+"""Backbones (tiny, SmolLM2, any transformers directory), adapters, and loading the trained student."""

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lopd_cli.errors import LopdError
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,18 +41,3 @@ class BatchSession(Protocol):
 
     def generate(self, rows: list[int], ids: list[list[int]], params: SamplingParams,
                  stop_ids: list[int]) -> list[Generation]: ...
-
-
-def make_backend(name: str, model, tokenizer) -> Backend:
-    """The recipe's `rollout.backend` for an already loaded model."""
-    if name == "hf":
-        from lopd_cli.rollout.hf import HFBackend
-
-        return HFBackend(model, tokenizer)
-    if name == "vllm":
-        try:
-            from lopd_cli.rollout.vllm import VLLMBackend  # type: ignore[import-not-found]
-        except ImportError as e:
-            raise LopdError(f"rollout.backend: vllm is not available here ({e}); use backend: hf") from None
-        return VLLMBackend(model, tokenizer)
-    raise LopdError(f"rollout.backend: unknown backend '{name}' (hf or vllm)")

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from lopd_cli.agent.types import Episode
-from lopd_cli.models.latent import TeacherBatch
+from lopd_cli.compose.latent import TeacherBatch
 
 
 @dataclass
@@ -78,8 +78,8 @@ def collate(episodes: Sequence[Episode], pad_id: int, device: torch.device | str
 
 def student_hidden(model, batch: StudentBatch) -> torch.Tensor:
     """Last hidden states (B, T-1, d) of the active view of `model`, prediction layout."""
-    from lopd_cli.models.composer import decoder_of
-    from lopd_cli.models.latent import decoder_hidden
+    from lopd_cli.compose.composer import decoder_of
+    from lopd_cli.compose.latent import decoder_hidden
 
     return decoder_hidden(decoder_of(model), batch.input_ids, batch.attention_mask)[:, :-1]
 

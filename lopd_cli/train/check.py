@@ -138,7 +138,7 @@ def run_check(model, tokenizer, composer, examples: Sequence, batch_size: int = 
               progress: Callable[[int], None] | None = None) -> CheckResult:
     """The check on `examples` (coldstart.Example: a held-out success and its references).
     `progress(1)` is called after each teacher mode and after the spread (len(MODES) + 1 calls)."""
-    from lopd_cli.train.coldstart import latent_task_spread, teacher_example_logprobs
+    from lopd_cli.train.teacher_nll import latent_task_spread, teacher_example_logprobs
 
     tick = progress or (lambda k=1: None)
     groups = [tuple(rule_strings(ex.episode.task.instruction)) for ex in examples] if rule_strings else None

@@ -23,6 +23,10 @@ import torch
 from lopd_cli.errors import LopdError
 
 LATEST = "latest"
+# An evolve run (runs/EVOLVE/, pipeline/evolve.py) points at its incumbent's step folder with a
+# relative link `incumbent`; its state file `evolve.json` marks the folder as an evolve run.
+INCUMBENT = "incumbent"
+EVOLVE_STATE = "evolve.json"
 
 
 def rng_state() -> dict[str, Any]:
@@ -101,8 +105,13 @@ def _prune(ckpt_root: Path, keep_last: int) -> None:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A run folder, its checkpoints/ folder, `latest`, or a step folder -> the step folder."""
+    """A run folder, its checkpoints/ folder, `latest`, a step folder, or an evolve run's folder
+    (its incumbent) -> the step folder."""
     path = Path(path)
+    if (path / INCUMBENT).exists():
+        path = path / INCUMBENT
+    elif (path / EVOLVE_STATE).is_file():
+        raise LopdError(f"{path}: no round of this evolve run has been accepted yet (its incumbent is the starting model)")
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     if (path / LATEST).exists() or (path / LATEST).is_symlink():

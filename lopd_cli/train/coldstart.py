@@ -1,4 +1,4 @@
-"""Cold start (LOPD.md, "Cold start"): SFT of the composer φ = (ψ, χ) with the backbone frozen.
+"""Cold start (docs/algorithm.md, "Cold start"): SFT of the composer φ = (ψ, χ) with the backbone frozen.
 
 For a successful bank rollout τ of task x, retrieve n_ret other successful rollouts (never of
 x's own task or instruction), compose c_φ, and train φ so the teacher — the frozen backbone with
@@ -30,11 +30,11 @@ import torch
 
 from lopd_cli.agent.chat import render_prompt_ids, tokenize_transcript
 from lopd_cli.agent.types import Episode, Task
+from lopd_cli.compose.composer import Composer
+from lopd_cli.compose.latent import TeacherBatch, build_teacher_batch
+from lopd_cli.compose.latent_cache import LatentCache
 from lopd_cli.errors import LopdError
-from lopd_cli.models.composer import Composer
-from lopd_cli.models.latent import TeacherBatch, build_teacher_batch, output_head, teacher_hidden, text_teacher_prompt_ids
-from lopd_cli.models.latent_cache import LatentCache
-from lopd_cli.train.losses import chunked_token_logprobs
+from lopd_cli.train.teacher_nll import latent_task_spread, teacher_example_logprobs, teacher_nll, teacher_token_logprobs
 
 COMPOSER_DIR = "composer"
 INPUT_NORM_ITEMS = 64  # (task, retrieved item) pairs that χ's input statistics are measured on
@@ -176,119 +176,6 @@ def reconstruction_targets(examples: Sequence[Example], rng: random.Random) -> l
     return out
 
 
-# ------------------------------------------------------------------------------ the teacher's NLL
-
-
-def teacher_token_logprobs(model, batch: TeacherBatch, latents: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """log p_teacher of every action token in `batch` (flattened, TeacherBatch order)."""
-    hidden = teacher_hidden(model, batch, latents)
-    rows = hidden[batch.batch_index, batch.teacher_pos - 1]
-    return chunked_token_logprobs(rows, output_head(model), batch.token_ids, chunk_size=chunk_size)
-
-
-def plain_teacher_token_logprobs(model, episodes: Sequence[Episode], chunk_size: int = 1024) -> torch.Tensor:
-    """The same tokens scored by the frozen backbone with no reference block at all."""
-    from lopd_cli.models.adapters import teacher_view
-    from lopd_cli.models.composer import decoder_of
-    from lopd_cli.models.latent import decoder_hidden
-
-    device = next(model.parameters()).device
-    T = max(len(e.input_ids) for e in episodes)
-    ids = torch.zeros((len(episodes), T), dtype=torch.long, device=device)
-    attn = torch.zeros_like(ids)
-    b_idx, pos, toks = [], [], []
-    for b, e in enumerate(episodes):
-        ids[b, : len(e.input_ids)] = torch.tensor(e.input_ids, device=device)
-        attn[b, : len(e.input_ids)] = 1
-        for i, m in enumerate(e.action_mask):
-            if m:
-                b_idx.append(b)
-                pos.append(i)
-                toks.append(e.input_ids[i])
-    with teacher_view(model):
-        hidden = decoder_hidden(decoder_of(model), ids, attn)
-    rows = hidden[torch.tensor(b_idx, device=device), torch.tensor(pos, device=device) - 1]
-    return chunked_token_logprobs(rows, output_head(model), torch.tensor(toks, device=device), chunk_size=chunk_size)
-
-
-def same_norm_random(latents: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Gaussian directions scaled to each latent's own norm."""
-    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
-    return noise / noise.norm(dim=-1, keepdim=True) * latents.norm(dim=-1, keepdim=True)
-
-
-def teacher_example_logprobs(model, tokenizer, composer: Composer, examples: Sequence[Example], mode: str = "learned",
-                             batch_size: int = 8, seed: int = 0, obs_char_budget: int = 600, text_max_chars: int = 1536,
-                             partners: Sequence[int] | None = None,
-                             progress: Callable[[int], None] | None = None) -> list[torch.Tensor]:
-    """log p_teacher of each example's action tokens (one tensor per example, in order), no grad.
-    `progress(n)` is called after each batch of n examples.
-
-    mode: "learned" (c_φ of the retrieved items), "random" (random latents with c_φ's per-row
-    norms), "zeros" (the framed block with all-zero latents: the framing alone), "shuffled" (c_φ
-    of another example's retrieved items: latents of the right form without this task's
-    information), "other" (c_φ of the items of example `partners[i]`, see `check.other_task_partners`),
-    "text" (the retrieved items as plain text in the same frame: OPSD's teacher, what the
-    references can tell a teacher that reads them verbatim), "none" (no reference block)."""
-    gen = torch.Generator().manual_seed(seed)
-    all_refs = [ex.refs for ex in examples]
-    if mode == "shuffled":  # rotate over the whole set, so no batch boundary hands back its own
-        all_refs = all_refs[1:] + all_refs[:1]
-    elif mode == "other":
-        if partners is None:
-            raise ValueError("mode 'other' needs partners")
-        all_refs = [all_refs[j] for j in partners]
-    out: list[torch.Tensor] = []
-    with torch.no_grad():
-        for start in range(0, len(examples), batch_size):
-            chunk = examples[start : start + batch_size]
-            eps = [ex.episode for ex in chunk]
-            refs = all_refs[start : start + batch_size]
-            if mode == "none":
-                lp = plain_teacher_token_logprobs(model, eps)
-            elif mode == "text":
-                batch = build_teacher_batch(eps, tokenizer, 0, prompt_fn=lambda b, ep: text_teacher_prompt_ids(
-                    tokenizer, ep.prompt_messages, ep.task.tools, refs[b], obs_char_budget, text_max_chars))
-                device = next(model.parameters()).device
-                empty = torch.zeros((len(eps), 0, model.get_input_embeddings().embedding_dim), device=device)
-                lp = teacher_token_logprobs(model, batch.to(device), empty)
-            else:
-                latents = composer(refs, [e.task.instruction for e in eps])
-                if mode == "random":
-                    latents = same_norm_random(latents, gen)
-                elif mode == "zeros":
-                    latents = torch.zeros_like(latents)
-                elif mode not in ("learned", "shuffled", "other"):
-                    raise ValueError(f"unknown mode {mode!r}")
-                batch = build_teacher_batch(eps, tokenizer, latents.shape[1]).to(latents.device)
-                lp = teacher_token_logprobs(model, batch, latents)
-            out += list(lp.float().cpu().split([sum(e.action_mask) for e in eps]))
-            if progress is not None:
-                progress(len(chunk))
-    return out
-
-
-def teacher_nll(model, tokenizer, composer: Composer, examples: Sequence[Example], mode: str = "learned",
-                batch_size: int = 8, seed: int = 0, obs_char_budget: int = 600, text_max_chars: int = 1536,
-                progress: Callable[[int], None] | None = None) -> float:
-    """Per-token NLL of the examples' action tokens under the teacher (modes: `teacher_example_logprobs`)."""
-    lps = teacher_example_logprobs(model, tokenizer, composer, examples, mode, batch_size, seed, obs_char_budget,
-                                   text_max_chars, progress=progress)
-    count = sum(lp.numel() for lp in lps)
-    return float(-sum(lp.sum() for lp in lps)) / max(count, 1)
-
-
-def latent_task_spread(composer: Composer, examples: Sequence[Example], batch_size: int = 8) -> float:
-    """How much c_φ varies from task to task: mean ‖c − c̄‖ / mean ‖c‖ over the examples' latent
-    rows (c̄ = the mean over examples, per row). 0 means the composer ignores what it reads (a
-    fixed soft prompt); a fresh composer gives a few percent to tens of percent."""
-    with torch.no_grad():
-        lat = torch.cat([composer([ex.refs for ex in examples[i : i + batch_size]],
-                                  [ex.episode.task.instruction for ex in examples[i : i + batch_size]])
-                         for i in range(0, len(examples), batch_size)]).float()
-    return float((lat - lat.mean(0, keepdim=True)).norm(dim=-1).mean() / lat.norm(dim=-1).mean().clamp(min=1e-12))
-
-
 # ------------------------------------------------------------------------------ training
 
 
@@ -329,7 +216,7 @@ def composer_health(model, tokenizer, composer: Composer, examples: Sequence[Exa
 def collapse_message(spread: float, threshold: float, where: str) -> str:
     """The one-line warning when the latents stop depending on what was retrieved."""
     return (f"{where}: the composer has collapsed into a fixed prompt: latent task spread "
-            f"{100 * spread:.2f} % < {100 * threshold:.2f} % (train.min_task_spread); its latents barely "
+            f"{100 * spread:.2f} % < {100 * threshold:.2f} % (train.lopd.min_task_spread); its latents barely "
             "depend on the retrieved references (see composer/nll_gap)")
 
 
@@ -537,11 +424,11 @@ def build_anchor_cache(composer: Composer, retriever, tasks: Sequence[Task], n_r
 
 def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) -> dict:
     """`lopd coldstart`: load the backbone once, train φ, save the composer and the c_φ0 cache."""
+    from lopd_cli.agent.plugins import load_env_class
     from lopd_cli.bank.embed import embedder_fingerprint
     from lopd_cli.bank.retrieve import Retriever
     from lopd_cli.models.adapters import attach_adapters
     from lopd_cli.models.backbone import load_backbone
-    from lopd_cli.plugins import load_env_class
     from lopd_cli.runtime import seed_everything
     from lopd_cli.train.metrics import MetricsLog
 
@@ -558,7 +445,8 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         if recipe.train.teacher == "init":
             # The teacher LOPD will have after `train.init_from` (e.g. SFT): the warm-start model,
             # merged (as `lopd train` does), so the composer and the check are about that teacher.
-            from lopd_cli.student import init_source, merged_init_backbone
+            from lopd_cli.models.student import init_source
+            from lopd_cli.train.init_backbone import merged_init_backbone
 
             backbone = str(merged_init_backbone(init_source(project, recipe), run_dir, recipe.model.dtype, search))
         model, tokenizer = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search_dirs=search)
@@ -583,7 +471,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
                                                      {task_key(it) for it in val_items})
         privileged_share = None
         if cs.privilege_weight > 0 and train:
-            from lopd_cli.train.loop import text_reference_chars
+            from lopd_cli.train.teacher_nll import text_reference_chars
 
             privileged_share = add_reference_privilege(model, tokenizer, train, cs.batch_size,
                                                        recipe.bank.obs_char_budget, text_reference_chars(recipe))
@@ -605,7 +493,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         elif val:
             before = teacher_nll(model, tokenizer, composer, val, "learned", cs.batch_size)
         if show_progress:
-            from lopd_cli.cli.common import progress
+            from lopd_cli.progress import make_progress as progress
 
             with progress() as bar:
                 task = bar.add_task("cold start", total=cs.steps, info="")
@@ -628,7 +516,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         try:
             if checks:
                 from lopd_cli.train.check import run_check
-                from lopd_cli.train.loop import text_reference_chars
+                from lopd_cli.train.teacher_nll import text_reference_chars
 
                 model.eval()
                 args = (model, tokenizer, composer, val, cs.batch_size, recipe.bank.obs_char_budget,

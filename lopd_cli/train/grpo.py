@@ -15,8 +15,8 @@ from typing import Sequence
 import torch
 
 from lopd_cli.agent.types import Episode
+from lopd_cli.compose.latent import output_head
 from lopd_cli.models.adapters import teacher_view, use_student
-from lopd_cli.models.latent import output_head
 from lopd_cli.train import losses
 from lopd_cli.train.batch import BatchTotals, collate, student_hidden
 

@@ -2,9 +2,9 @@
 
 Each step:
     1. rollouts: the student (backbone + student adapter), no latents, on training tasks;
-    2–4. LOPD / OPSD: teacher pass, student reverse-KL update, composer update (train/distill.py);
+    2–4. LOPD / OPSD: teacher pass, student reverse-KL update, composer update and, after the
+         optimiser steps, the dual step on β (train/step.py);
          GRPO: group-normalised clipped policy gradient (train/grpo.py);
-    5. LOPD: the dual step on β;
     (SFT has no rollouts: one NLL step on successful bank items, train/sft.py;)
     then bank growth (`bank.grow`), metrics, periodic validation and checkpoints.
 
@@ -47,11 +47,11 @@ from lopd_cli.train import checkpoint as ckpt
 from lopd_cli.train import distributed as dist
 from lopd_cli.train import sharding
 from lopd_cli.train.batch import BatchTotals, batch_totals
-from lopd_cli.train.distill import DistillSetup, distill_update
 from lopd_cli.train.grpo import GrpoSetup, grpo_update
-from lopd_cli.train.losses import dual_update
 from lopd_cli.train.metrics import MetricsLog, peak_memory_mb
+from lopd_cli.train.optim import _grad_norm, _student_params, _sum_gradients
 from lopd_cli.train.sampler import TaskSampler
+from lopd_cli.train.step import NoGradLatents, dual_step, rollout_phase, step_metrics, trainer_step
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Trainer:
     metrics: MetricsLog | None = None
     on_step: Callable[[dict], None] | None = None
     backbone_path: str = ""
-    nograd_latents: Any = None  # distill.NoGradLatents: no-grad c_φ per (task, item) while φ is unchanged
+    nograd_latents: Any = None  # step.NoGradLatents: no-grad c_φ per (task, item) while φ is unchanged
     teacher: Any = None  # a full student's frozen teacher copy (`teacher_copy_needed`); None: the teacher is a view of `model`
     sharding: Any = None  # sharding.Sharding under train.parallel=fsdp
     extra: dict = field(default_factory=dict)
@@ -100,27 +100,27 @@ class Trainer:
 
     @property
     def trains_composer(self) -> bool:
-        return self.algo == "lopd" and not self.recipe.train.freeze_composer
+        return self.algo == "lopd" and not self.recipe.train.lopd.freeze_composer
 
 
 # ----------------------------------------------------------------------------- set-up
 
 
 def find_composer(project: Project, recipe: Recipe) -> Path:
-    """`train.composer_from`, else the newest composer `lopd coldstart` saved in the project."""
-    from lopd_cli.models.composer import MANIFEST
+    """`train.lopd.composer_from`, else the newest composer `lopd coldstart` saved in the project."""
+    from lopd_cli.compose.composer import MANIFEST
 
-    if recipe.train.composer_from:
-        p = project.path(recipe.train.composer_from)
+    if recipe.train.lopd.composer_from:
+        p = project.path(recipe.train.lopd.composer_from)
         for cand in (p, p / "composer"):
             if (cand / MANIFEST).is_file():
                 return cand
-        raise LopdError(f"train.composer_from: no composer in {p} ({MANIFEST} missing)")
+        raise LopdError(f"train.lopd.composer_from: no composer in {p} ({MANIFEST} missing)")
     found = sorted(project.runs_dir.glob(f"*/composer/{MANIFEST}"), key=lambda f: f.stat().st_mtime)
     if not found:
         raise LopdError(
             "no cold-start composer in this project: run `lopd coldstart --recipe R` first "
-            "(or set train.composer_from)"
+            "(or set train.lopd.composer_from)"
         )
     return found[-1].parent
 
@@ -136,20 +136,15 @@ def lopd_generated_rollouts(project: Project, recipe: Recipe) -> int:
         return sum(1 for it in bank.iter_items(success_only=False) if it.meta.get("generated_by") == "lopd")
 
 
-def _student_params(model) -> list[torch.nn.Parameter]:
-    name = ad.STUDENT if ad.has_student_adapter(model) else ad.BASE
-    return ad.adapter_parameters(model, name)
-
-
 def contrastive_chunk_warning(t) -> str | None:
     """The one-line warning when the composer pass's chunks are smaller than micro_batch and the
     contrastive term is on: its pairs form within a chunk, so smaller chunks form fewer pairs."""
-    chunk = min(t.composer_micro_batch, t.micro_batch)
-    if t.algo != "lopd" or t.freeze_composer or t.contrastive_weight <= 0 or chunk >= t.micro_batch:
+    chunk = min(t.lopd.composer_micro_batch, t.micro_batch)
+    if t.algo != "lopd" or t.lopd.freeze_composer or t.lopd.contrastive_weight <= 0 or chunk >= t.micro_batch:
         return None
-    return (f"train.contrastive_weight > 0 pairs successes only within a composer chunk of "
-            f"train.composer_micro_batch={chunk} rows" + (" (none at 1)" if chunk == 1 else "")
-            + f"; set composer_micro_batch={t.micro_batch} to pair within micro_batch as before")
+    return (f"train.lopd.contrastive_weight > 0 pairs successes only within a composer chunk of "
+            f"train.lopd.composer_micro_batch={chunk} rows" + (" (none at 1)" if chunk == 1 else "")
+            + f"; set train.lopd.composer_micro_batch={t.micro_batch} to pair within micro_batch as before")
 
 
 def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress: bool = True) -> Trainer:
@@ -168,7 +163,7 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
         warn_if_slow_bf16("model.autocast_bf16=true", str(next(model.parameters()).device))
     model = ad.attach_adapters(model, recipe)
     trainable = [ad.BASE if recipe.model.student == "full" else ad.STUDENT]
-    if t.algo == "lopd" and not t.freeze_composer:
+    if t.algo == "lopd" and not t.lopd.freeze_composer:
         trainable.append(ad.ENCODER)
     ad.set_trainable(model, trainable)
     env_factory = make_env_factory(recipe)
@@ -177,7 +172,7 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
     tr = Trainer(
         project=project, recipe=recipe, run_dir=run_dir, model=model, tokenizer=tok,
         env_factory=env_factory, reward_fn=load_reward(recipe), train_tasks=tasks,
-        student_opt=student_opt, state=TrainState(beta=t.beta0, sampler=TaskSampler(len(tasks), t.seed)),
+        student_opt=student_opt, state=TrainState(beta=t.lopd.beta0, sampler=TaskSampler(len(tasks), t.seed)),
         backbone_path=str(Path(resolve_backbone(backbone, search)).resolve()),
     )
     if t.algo in ("lopd", "opsd"):
@@ -217,24 +212,11 @@ def load_teacher_copy(backbone: str, recipe: Recipe, search: list) -> Any:
     return model
 
 
-def composer_leaves(tr: Trainer) -> Callable[[], list] | None:
-    """φ's parameters, for a composer backward that must reach nothing else: when the student's
-    weights are in the composer pass's graph (a live teacher; a full student, whose encoder ψ
-    reads its own base). None where they are not (a LoRA student's frozen teacher)."""
-    if not tr.trains_composer or (tr.recipe.model.student != "full" and tr.recipe.train.teacher != "live"):
-        return None
-
-    def leaves() -> list:
-        psi = [p for p in ad.adapter_parameters(tr.model, ad.ENCODER) if p.requires_grad]
-        return psi + [p for p in tr.composer.parameters() if p.requires_grad]
-
-    return leaves
-
-
 def init_teacher_backbone(project: Project, recipe: Recipe, run_dir: Path) -> Path:
     """`train.teacher: init`: the run's own backbone folder, `init_from`'s student merged (made
     by rank 0 on the run's first start; a resume reuses it without looking at the source)."""
-    from lopd_cli.student import existing_init_backbone, init_source, merged_init_backbone
+    from lopd_cli.models.student import existing_init_backbone, init_source
+    from lopd_cli.train.init_backbone import merged_init_backbone
 
     found = existing_init_backbone(run_dir)
     if found is not None:
@@ -250,25 +232,23 @@ def _embedder_fp(retriever) -> str | None:
 
 
 def _setup_composer(tr: Trainer) -> None:
-    from lopd_cli.models.composer import Composer
-    from lopd_cli.models.latent_cache import LatentCache
+    from lopd_cli.compose.composer import Composer
+    from lopd_cli.compose.latent_cache import LatentCache
 
     recipe = tr.recipe
     tr.composer_dir = find_composer(tr.project, recipe)
     tr.composer = Composer.load(tr.composer_dir, tr.model, tr.tokenizer, recipe.composer)
-    from lopd_cli.train.distill import NoGradLatents
-
     tr.nograd_latents = NoGradLatents()
-    if recipe.train.freeze_composer:
+    if recipe.train.lopd.freeze_composer:
         tr.composer.requires_grad_(False)
     else:
         from lopd_cli.train.coldstart import composer_optimizer
 
         t = recipe.train
         tr.composer_opt, tr.composer_sched = composer_optimizer(
-            tr.model, tr.composer, t.composer_lr_encoder or t.composer_lr, t.composer_lr_resampler or t.composer_lr,
-            t.composer_warmup_steps, weight_decay=0.01)
-    if recipe.train.anchor_lambda > 0 and not recipe.train.freeze_composer:
+            tr.model, tr.composer, t.lopd.composer_lr_encoder or t.lopd.composer_lr, t.lopd.composer_lr_resampler or t.lopd.composer_lr,
+            t.lopd.composer_warmup_steps, weight_decay=0.01)
+    if recipe.train.lopd.anchor_lambda > 0 and not recipe.train.lopd.freeze_composer:
         composer0 = Composer.load(tr.composer_dir, tr.model, tr.tokenizer, recipe.composer,
                                   adapter="encoder0", frozen=True)
         tr.latent_cache = LatentCache.load(tr.composer_dir)
@@ -286,50 +266,13 @@ def pick_tasks(tr: Trainer) -> tuple[list, list[int]]:
     """The step's tasks: R distinct tasks (LOPD/OPSD), or R/G tasks × G rollouts (GRPO)."""
     R = tr.recipe.rollout.rollouts_per_step
     if tr.algo == "grpo":
-        G = tr.recipe.train.group_size
+        G = tr.recipe.train.grpo.group_size
         if R % G:
-            raise LopdError(f"rollout.rollouts_per_step ({R}) must be a multiple of train.group_size ({G})")
+            raise LopdError(f"rollout.rollouts_per_step ({R}) must be a multiple of train.grpo.group_size ({G})")
         idx = tr.state.sampler.take(R // G)
         return [tr.train_tasks[i] for i in idx for _ in range(G)], [g for g in range(len(idx)) for _ in range(G)]
     idx = tr.state.sampler.take(R)
     return [tr.train_tasks[i] for i in idx], list(range(R))
-
-
-def rollouts(tr: Trainer, tasks: list, step: int, progress: Callable[[int], None] | None = None,
-             index_offset: int = 0) -> list[Episode]:
-    tr.model.eval()
-    with torch.no_grad(), ad.use_student(tr.model):
-        return run_episodes(
-            tr.model, tr.tokenizer, tr.env_factory, tasks, tr.recipe.rollout,
-            seed=tr.recipe.train.seed * 1_000_003 + step, reward_fn=tr.reward_fn, progress=progress,
-            meta={"generated_by": "lopd", "phase": "train", "algo": tr.algo, "step": step},
-            index_offset=index_offset,
-        )
-
-
-def retrieve_refs(tr: Trainer, episodes: list[Episode]) -> list[list]:
-    b = tr.recipe.bank
-    instrs = [ep.task.instruction for ep in episodes]
-    if b.allow_self_retrieval:
-        return tr.retriever.retrieve_many(instrs, b.n_retrieve)
-    return tr.retriever.retrieve_many(
-        instrs, b.n_retrieve,
-        exclude_task_ids_per_query=[[ep.task.id] for ep in episodes],
-        exclude_instructions_per_query=[[ep.task.instruction] for ep in episodes],
-    )
-
-
-def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
-    """OPSD's privileged context: the retrieved trajectories as plain text in the first user turn."""
-    from lopd_cli.models.latent import text_teacher_prompt_ids
-
-    budget = tr.recipe.bank.obs_char_budget
-    max_chars = text_reference_chars(tr.recipe)
-
-    def prompt(ep: Episode, items: list) -> list[int]:
-        return text_teacher_prompt_ids(tr.tokenizer, ep.prompt_messages, ep.task.tools, items, budget, max_chars)
-
-    return prompt
 
 
 def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
@@ -346,11 +289,6 @@ def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
             "model the teacher")
 
 
-def text_reference_chars(recipe) -> int:
-    """Characters of each text reference: the same order of context as the composer reads."""
-    return recipe.composer.max_item_tokens * 4
-
-
 def _norm(params: list[torch.nn.Parameter]) -> float:
     if sharding.uses_dtensors(params):
         return sharding.grad_norm(params)
@@ -360,63 +298,45 @@ def _norm(params: list[torch.nn.Parameter]) -> float:
 
 def composer_health_row(tr: Trainer, step: int) -> dict[str, Any]:
     """At every eval (LOPD): the latents' task spread and the own-vs-shuffled teacher NLL gap on
-    `train.health_n` held-out bank trajectories (the cold start's validation tasks), as
-    composer/* keys, plus a LopdWarning when the spread is below `train.min_task_spread`."""
+    `train.lopd.health_n` held-out bank trajectories (the cold start's validation tasks), as
+    composer/* keys, plus a LopdWarning when the spread is below `train.lopd.min_task_spread`."""
     import warnings
 
     from lopd_cli.errors import LopdWarning
     from lopd_cli.train.coldstart import collapse_message, composer_health, make_examples, split_by_task
 
     t = tr.recipe.train
-    if tr.composer is None or tr.retriever is None or not t.health_n:
+    if tr.composer is None or tr.retriever is None or not t.lopd.health_n:
         return {}
     if tr.health_examples is None:
         cs = tr.recipe.coldstart
         items = tr.retriever.bank.items(success_only=True)
         _, held = split_by_task(items, cs.val_fraction, cs.seed)
-        tr.health_examples = make_examples(tr.tokenizer, tr.retriever, (held or items)[: 4 * t.health_n],
-                                           tr.recipe.bank.n_retrieve, tr.recipe.rollout.max_prompt_tokens)[: t.health_n]
+        tr.health_examples = make_examples(tr.tokenizer, tr.retriever, (held or items)[: 4 * t.lopd.health_n],
+                                           tr.recipe.bank.n_retrieve, tr.recipe.rollout.max_prompt_tokens)[: t.lopd.health_n]
     tr.model.eval()
     h = composer_health(tr.model, tr.tokenizer, tr.composer, tr.health_examples, t.micro_batch)
-    if h and h["latent_task_spread"] < t.min_task_spread and dist.is_main():
-        warnings.warn(collapse_message(h["latent_task_spread"], t.min_task_spread, f"train step {step}"),
+    if h and h["latent_task_spread"] < t.lopd.min_task_spread and dist.is_main():
+        warnings.warn(collapse_message(h["latent_task_spread"], t.lopd.min_task_spread, f"train step {step}"),
                       LopdWarning, stacklevel=2)
     return {f"composer/{k}": v for k, v in h.items()}
-
-
-def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return 0.0
-    if sharding.uses_dtensors(params):
-        return sharding.clip_grad_norm(params, clip)
-    return float(torch.nn.utils.clip_grad_norm_(params, clip))
-
-
-def _sum_gradients(tr: Trainer, params: list[torch.nn.Parameter]) -> None:
-    """The gradients summed over ranks: FSDP's reduce-scatter for a sharded backbone (whose
-    parameters are then the shards: read them again), an all-reduce otherwise."""
-    if tr.sharding is not None:
-        sharding.sum_gradients(tr.sharding, params)
-    else:
-        dist.sum_gradients(params)
 
 
 def composer_rows(tr: Trainer, episodes: list[Episode], step: int) -> list[bool] | None:
     """Which of the step's sequences (the whole batch, every rank alike) take the composer pass:
     None = all of them (the composer trains every step on every row), all False on a step
-    without a φ update (`train.composer_every`), else `train.composer_batch` rows drawn with a
+    without a φ update (`train.lopd.composer_every`), else `train.lopd.composer_batch` rows drawn with a
     generator seeded by (seed, step) among those with supervised tokens (the global RNG, and so
     the rest of the run, is untouched)."""
     t = tr.recipe.train
     if not tr.trains_composer:
         return None
-    if (step - 1) % t.composer_every:
+    if (step - 1) % t.lopd.composer_every:
         return [False] * len(episodes)
     valid = [i for i, ep in enumerate(episodes) if sum(ep.action_mask[1:]) > 0]
-    if t.composer_batch is None or t.composer_batch >= len(valid):
+    if t.lopd.composer_batch is None or t.lopd.composer_batch >= len(valid):
         return None
-    pick = set(random.Random(t.seed * 1_000_003 + 7 * step + 1).sample(valid, t.composer_batch))
+    pick = set(random.Random(t.seed * 1_000_003 + 7 * step + 1).sample(valid, t.lopd.composer_batch))
     return [i in pick for i in range(len(episodes))]
 
 
@@ -439,7 +359,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
     row: dict[str, Any] = {}
     t0 = time.perf_counter()
     if tr.algo == "grpo":
-        setup = GrpoSetup(tr.model, tr.tokenizer, tr.recipe.rollout.temperature, t.clip_eps, t.kl_coef,
+        setup = GrpoSetup(tr.model, tr.tokenizer, tr.recipe.rollout.temperature, t.grpo.clip_eps, t.grpo.kl_coef,
                           t.micro_batch, t.logit_chunk, tr.recipe.model.autocast_bf16)
         o = grpo_update(setup, episodes, group_ids, totals)
         if dist.is_distributed():
@@ -451,37 +371,8 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
         row.update(loss=o.loss, pg_loss=o.loss, clip_fraction=o.clip_fraction, kl_ref=o.kl_ref, adv_abs=o.adv_abs)
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
     else:
-        refs = retrieve_refs(tr, episodes)
-        setup = DistillSetup(
-            tr.model, tr.tokenizer, t.top_m, t.margin_m, t.anchor_lambda, t.micro_batch, t.logit_chunk,
-            composer=tr.composer, train_composer=tr.trains_composer, latents0=tr.latents0,
-            text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else None,
-            autocast=tr.recipe.model.autocast_bf16, margin_advantage=t.margin_advantage,
-            contrastive_weight=t.contrastive_weight, contrastive_margin=t.contrastive_margin,
-            success_threshold=tr.recipe.eval.success_threshold,
-            composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
-            privilege_gate=t.privilege_gate, composer_micro_batch=t.composer_micro_batch,
-            teacher_model=tr.teacher, teacher_live=t.teacher == "live", composer_leaves=composer_leaves(tr),
-        )
-        o = distill_update(setup, episodes, refs, tr.state.beta, totals)
-        if dist.is_distributed():
-            red = dist.all_reduce_sum({"kl": o.kl, "composer_kl": o.composer_kl, "delta": o.delta,
-                                       "anchor": o.anchor, "contrastive": o.contrastive, "n_tokens": o.n_tokens})
-            o.kl, o.composer_kl, o.delta, o.anchor = red["kl"], red["composer_kl"], red["delta"], red["anchor"]
-            o.contrastive, o.n_tokens = red["contrastive"], int(red["n_tokens"])
-            o.composer_loss = (o.composer_kl + tr.state.beta * (t.margin_m - o.delta) + t.anchor_lambda * o.anchor
-                               + t.contrastive_weight * o.contrastive)
-            o.finite = all(map(math.isfinite, (o.kl, o.composer_kl, o.delta, o.anchor)))
-        row.update(loss=o.kl, kl=o.kl)
-        if o.gate is not None:
-            row["gate"] = o.gate
-        if tr.algo == "lopd":
-            # margin_binds: the constraint Δ ≥ m is violated this step (β rises); None when the
-            # centred Δ is undefined (all rewards equal: no dual step).
-            row.update(delta=o.delta, anchor=o.anchor, composer_loss=o.composer_loss,
-                       margin_defined=o.margin_defined, margin_binds=(o.delta < t.margin_m) if o.margin_defined else None)
-            if t.contrastive_weight > 0:
-                row["contrastive"] = o.contrastive
+        o = trainer_step(tr, episodes, totals, rows, composer_totals)
+        row.update(step_metrics(o, tr))
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
     comp_params = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
     _sum_gradients(tr, _student_params(tr.model) + comp_params)
@@ -500,8 +391,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
                 tr.nograd_latents.clear()  # φ changed: its no-grad latents are stale
             if tr.composer_sched is not None:
                 tr.composer_sched.step()
-            if o.margin_defined:
-                tr.state.beta = dual_update(tr.state.beta, t.margin_m, o.delta, t.eta_beta)
+            tr.state.beta = dual_step(tr.state.beta, o, t.lopd.margin_m, t.lopd.eta_beta)
         tr.state.nonfinite_streak = 0
     else:
         tr.student_opt.zero_grad(set_to_none=True)
@@ -553,9 +443,9 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     t0 = time.perf_counter()
     tasks, group_ids = pick_tasks(tr)
     # Distributed: the same global task list on every rank, each rolling out its own share.
-    dist.check_step_split(len(tasks), tr.recipe.train.group_size if tr.algo == "grpo" else None)
+    dist.check_step_split(len(tasks), tr.recipe.train.grpo.group_size if tr.algo == "grpo" else None)
     lo, hi = dist.shard_range(len(tasks))
-    local = rollouts(tr, tasks[lo:hi], step, progress, index_offset=lo)
+    local = rollout_phase(tr, tasks[lo:hi], step, progress, index_offset=lo)
     episodes = dist.gather_lists(local)
     t_roll = dist.all_reduce_max({"t": time.perf_counter() - t0})["t"]
     tr.state.rollouts_total += len(episodes)
@@ -590,7 +480,7 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     if tr.state.nonfinite_streak >= tr.recipe.train.max_nonfinite:
         raise LopdError(
             f"step {step}: non-finite loss or gradient in {tr.state.nonfinite_streak} steps in a row; "
-            "stopped without writing a checkpoint (lower train.lr / train.composer_lr, or check the data)"
+            "stopped without writing a checkpoint (lower train.lr / train.lopd.composer_lr, or check the data)"
         )
     return row
 
@@ -663,7 +553,7 @@ def check_world_size(step_dir: Path, meta: dict | None = None) -> None:
 
 
 def restore(tr: Trainer, step_dir: Path) -> None:
-    from lopd_cli.models.composer import Composer
+    from lopd_cli.compose.composer import Composer
 
     meta = ckpt.read_checkpoint_meta(step_dir)
     if meta.get("algo") != tr.algo:
@@ -702,7 +592,7 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, resume: bool) -> Path | None:
     if resume:
         if not (run_dir / "recipe.yaml").is_file():
             raise LopdError(f"--resume: {run_dir} is not a run folder (no recipe.yaml)")
-        saved = load_recipe(run_dir / "recipe.yaml")
+        saved = load_recipe(run_dir / "recipe.yaml", upgrade=True)  # a run an earlier lopd wrote resumes
         mine = recipe.model_dump(exclude={"train": {"steps", "save_every", "eval_every"}})
         theirs = saved.model_dump(exclude={"train": {"steps", "save_every", "eval_every"}})
         if mine != theirs:
@@ -726,7 +616,7 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
 
     Under torchrun / accelerate launch (WORLD_SIZE > 1) every rank calls this with the same
     arguments; rank 0 alone writes the run folder, metrics and checkpoints."""
-    from lopd_cli.student import init_source, warm_start
+    from lopd_cli.models.student import init_source, warm_start
 
     dist.init_from_env()
     if recipe.train.parallel == "fsdp" and dist.is_distributed():
@@ -741,7 +631,7 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
     if step_dir is not None:
         restore(tr, step_dir)
     elif init is not None and recipe.train.teacher == "init":
-        from lopd_cli.student import source_record
+        from lopd_cli.models.student import source_record
 
         tr.extra["init_from"] = source_record(init)  # already the backbone; the student adapter starts fresh
     elif init is not None:

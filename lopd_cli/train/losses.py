@@ -1,4 +1,4 @@
-"""LOPD and GRPO losses as pure torch functions (spec: /work/shared/LOPD.md, "Objective").
+"""LOPD and GRPO losses as pure torch functions (spec: docs/algorithm.md, "Objective").
 
 Layout. Per-position tensors are (B, T, ...) — B sequences, T positions — with a mask
 ω of shape (B, T) (bool or 0/1 float) marking the supervised (assistant/action) tokens.
@@ -382,7 +382,7 @@ MarginForm = Literal["paper", "centred"]
 
 
 def paper_advantages(rewards: Tensor) -> Tensor:
-    """The paper's A(τ) = 2r − 1 ∈ [−1, 1] (LOPD.md, "Objective"): (B,) -> (B,) float32."""
+    """The paper's A(τ) = 2r − 1 ∈ [−1, 1] (docs/algorithm.md, "Objective"): (B,) -> (B,) float32."""
     return 2.0 * rewards.detach().float() - 1.0
 
 
@@ -432,7 +432,7 @@ def privileged_margin(
 
     teacher/student token log-probs (B, T) of the taken actions; reward (B,) with A = 2r − 1
     (∈ [−1, 1] for r ∈ [0, 1]). Gradient flows into the teacher side only. 0 if nothing is
-    supervised. `train.margin_advantage: paper`.
+    supervised. `train.lopd.margin_advantage: paper`.
 
     Why it is not the default: on the student's own samples E[δ] = −KL(S‖T) ≤ 0, so
     Δ ≈ (1 − 2r̄)·KL + a covariance term; when most rollouts fail, any teacher that merely
@@ -448,7 +448,7 @@ def centred_margin(
     teacher_token_logprobs: Tensor, student_token_logprobs: Tensor, advantages: Tensor, mask: Tensor
 ) -> Tensor:
     """Δ_c = sequence_mean of A(τ)·δ with centred advantages (`centred_advantages`): the default,
-    `train.margin_advantage: centred`.
+    `train.lopd.margin_advantage: centred`.
 
     With batch centring Δ_c = 2·Cov_τ(r, δ̄_τ), δ̄_τ = the token mean of δ in rollout τ: the
     teacher is privileged when it is more likely than the student on successful rollouts
@@ -523,22 +523,51 @@ def dual_update(beta: float, margin_m: float, delta: float | Tensor, eta: float)
 
     Units: Δ and m are nats per token, so η is β per nat. The paper's η = 0.5 with m = 0.05 moves
     β by at most 0.025 a step (≈ 0.2 in 8 steps): inert in short runs. The recipe default is
-    `train.eta_beta = 10` = 0.5 / 0.05, i.e. a shortfall of one default margin raises β by 0.5.
+    `train.lopd.eta_beta = 10` = 0.5 / 0.05, i.e. a shortfall of one default margin raises β by 0.5.
     """
     d = float(delta.detach()) if isinstance(delta, Tensor) else float(delta)
     return max(0.0, float(beta) + float(eta) * (float(margin_m) - d))
 
 
+class TermWeights(NamedTuple):
+    """What each term of `composer_objective` is multiplied by: the share of the step's batch that
+    a micro-batch holds, per term (its sequences, tokens, tasks, contrastive pairs). 1: unweighted."""
+
+    kl: float = 1.0
+    margin: float = 1.0
+    anchor: float = 1.0
+    contrastive: float = 1.0
+
+
 def composer_objective(
-    kl_sg_student: Tensor,
+    kl_sg_student: Tensor | float,
     beta: float,
-    margin_m: float,
-    delta: Tensor,
-    anchor: Tensor,
+    margin_m: float | None,
+    delta: Tensor | float,
+    anchor: Tensor | float,
     anchor_lambda: float,
-) -> Tensor:
-    """Composer loss KL(sg[S] ‖ T) + β (m − Δ) + λ · anchor (β is a constant here)."""
-    return kl_sg_student + float(beta) * (float(margin_m) - delta) + float(anchor_lambda) * anchor
+    contrastive: Tensor | float | None = None,
+    contrastive_weight: float = 0.0,
+    weights: TermWeights = TermWeights(),
+) -> Tensor | float:
+    """Composer loss KL(sg[S] ‖ T) + β (m − Δ) + λ · anchor (+ w · contrastive), β a constant.
+
+    The one place this objective is written: the composer pass backpropagates it per micro-batch
+    (`weights`: each term's share of the batch; `margin_m` None: β·m, a constant with no gradient,
+    is left out) and the step reports it on the batch totals (Python floats). Each weight
+    multiplies its coefficient before the term (`β·w·Δ`, `λ·w·anchor`), and the terms are added
+    left to right: the order the numbers were always computed in. `contrastive` None: no term
+    (0 pairs in the micro-batch).
+    """
+    obj = weights.kl * kl_sg_student
+    if margin_m is None:
+        obj = obj - float(beta) * weights.margin * delta
+    else:
+        obj = obj + float(beta) * weights.margin * (float(margin_m) - delta)
+    obj = obj + float(anchor_lambda) * weights.anchor * anchor
+    if contrastive is not None:
+        obj = obj + float(contrastive_weight) * weights.contrastive * contrastive
+    return obj
 
 
 # ------------------------------------------------------------------------------------ GRPO

@@ -11,7 +11,7 @@ transcript tokenisation the cold start uses (`agent/chat.py` `tokenize_transcrip
 on assistant-written tokens only (tool calls, answers, their end-of-turn token), never on the
 prompt or tool results.
 
-Each step draws `train.sft_batch` items (default `rollout.rollouts_per_step`) with the seeded,
+Each step draws `train.sft.batch` items (default `rollout.rollouts_per_step`) with the seeded,
 checkpointed sampler the task sampler uses (epoch-wise shuffles of the pool), and takes one
 optimiser step on the token-mean NLL of their action tokens — chunked over micro-batches
 (`train.micro_batch`) and logit positions (`train.logit_chunk`). Under torchrun the batch is
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lopd_cli.agent.types import Episode, Task
+from lopd_cli.compose.latent import output_head
 from lopd_cli.errors import LopdError
 from lopd_cli.models.adapters import use_student
-from lopd_cli.models.latent import output_head
 from lopd_cli.train import distributed as dist
 from lopd_cli.train import losses
 from lopd_cli.train.batch import batch_totals, collate, student_hidden
@@ -118,7 +118,7 @@ def _ensure_pool(tr: "Trainer") -> list[Episode]:
 
 
 def batch_size(recipe) -> int:
-    return recipe.train.sft_batch or recipe.rollout.rollouts_per_step
+    return recipe.train.sft.batch or recipe.rollout.rollouts_per_step
 
 
 def nll_update(tr: "Trainer", local: list[Episode], total_tokens: int) -> tuple[float, int]:
@@ -146,7 +146,7 @@ def nll_update(tr: "Trainer", local: list[Episode], total_tokens: int) -> tuple[
 def sft_step(tr: "Trainer") -> dict[str, Any]:
     """One SFT step: sample, NLL backward, all-reduce, clip, optimiser step (or skip when not
     finite). Returns the metrics row; advances tr.state like train_step."""
-    from lopd_cli.train.loop import _grad_norm, _student_params, _sum_gradients
+    from lopd_cli.train.optim import _grad_norm, _student_params, _sum_gradients
 
     t = tr.recipe.train
     step = tr.state.step + 1

@@ -75,7 +75,7 @@ def check_recipe(recipe) -> None:
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
     """The transformer blocks of a causal LM (`model.layers` in Llama-style models)."""
-    from lopd_cli.models.composer import decoder_of
+    from lopd_cli.compose.composer import decoder_of
 
     layers = getattr(decoder_of(causal_lm), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import yaml
 
 from lopd_cli.errors import LopdError
-from lopd_cli.evaluate import markdown_table, mean_interval
+from lopd_cli.results.evaluate import markdown_table, mean_interval
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,13 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _margin_m(train_sec: dict[str, Any]) -> float:
+    """A LOPD run's margin: train.lopd.margin_m (train.margin_m in runs of an earlier lopd)."""
+    lopd = train_sec.get("lopd") if isinstance(train_sec.get("lopd"), dict) else {}
+    value = lopd.get("margin_m", train_sec.get("margin_m"))
+    return 0.05 if value is None else float(value)
+
+
 def load_run(path: Path) -> Run:
     path = Path(path)
     recipe = _read_recipe(path)
@@ -126,7 +133,7 @@ def load_run(path: Path) -> Run:
         path=path,
         group=f"{name} · {algo}",
         seed=int(train_sec.get("seed", 0)),
-        margin_m=float(train_sec["margin_m"]) if algo == "lopd" and "margin_m" in train_sec else (0.05 if algo == "lopd" else None),
+        margin_m=_margin_m(train_sec) if algo == "lopd" else None,
         rows=rows,
     )
 
@@ -231,16 +238,26 @@ def build_report(run_dirs: Sequence[Path]) -> Report:
 
     if not run_dirs:
         raise LopdError("give at least one run folder (runs/RUN)")
+    evolves = [Path(d) for d in run_dirs if (Path(d) / "evolve.json").is_file()]
+    if evolves:
+        if len(evolves) != len(run_dirs):
+            raise LopdError(f"{evolves[0]} is an evolve run: report evolve runs apart from training runs")
+        return build_evolve_report(evolves)
     runs = [load_run(Path(d)) for d in run_dirs]
     groups = group_runs(runs)
     colours = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(groups)}
 
-    fig, axes = plt.subplots(3, 3, figsize=(16, 13), constrained_layout=True)
-    series: dict[str, list[Series]] = {}
-    for ax, panel in zip(axes.flat, PANELS):
-        series[panel.key] = []
-        for group, members in groups.items():
-            s = aggregate(members, panel)
+    # Only what some run logged gets a panel (GRPO and SFT log no β, Δ or composer health).
+    aggregated = {panel: {g: aggregate(members, panel) for g, members in groups.items()} for panel in PANELS}
+    panels = [p for p in PANELS if any(s is not None for s in aggregated[p].values())] or list(PANELS[:1])
+    n_rows = -(-len(panels) // 3)
+    fig, axes = plt.subplots(n_rows, 3, figsize=(16, 4.4 * n_rows), constrained_layout=True, squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    series: dict[str, list[Series]] = {p.key: [] for p in PANELS}
+    for ax, panel in zip(axes.flat, panels):
+        for group in groups:
+            s = aggregated[panel][group]
             if s is None:
                 continue
             series[panel.key].append(s)
@@ -265,8 +282,6 @@ def build_report(run_dirs: Sequence[Path]) -> Report:
             ax.set_ylim(-0.02, 1.02)
         if ax.lines:
             ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
     fig.suptitle(f"lopd report: {len(runs)} run(s), {len(groups)} group(s); bands = 95 % t-interval over seeds")
     header, rows, final = final_figures(groups)
     return Report(fig, series, header, rows, final)
@@ -278,3 +293,69 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Report:
     out.parent.mkdir(parents=True, exist_ok=True)
     report.figure.savefig(out, dpi=110)
     return report
+
+
+# ----------------------------------------------------------------------------- evolve runs
+
+
+def build_evolve_report(run_dirs: Sequence[Path]) -> Report:
+    """`lopd report runs/EVOLVE`: each round's validation success (95 % Wilson interval; hollow
+    markers: rejected candidates) and the incumbent's, against rounds and against rollouts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lopd_cli.results.evaluate import fmt_interval, Interval
+    from lopd_cli.pipeline.evolve import read_rounds
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
+    header = ["run", "round", "method", "rollouts", "bank rows", "successes added", "duplicates",
+              "validation success (95 % CI)", "paired diff (95 % CI)", "accepted"]
+    rows, series, final = [], {"evolve/validation_by_round": [], "evolve/validation_by_rollouts": []}, {}
+    for i, d in enumerate(run_dirs):
+        rounds = read_rounds(d)
+        colour = plt.get_cmap("tab10")(i % 10)
+        name = Path(d).name
+        val = [r["validation"] for r in rounds]
+        inc_by_round = {r["round"]: r for r in rounds}
+        incumbent = [inc_by_round[r["incumbent_round"]]["validation"]["mean"] for r in rounds]
+        for ax, x_key, key in ((axes[0], "round", "evolve/validation_by_round"),
+                               (axes[1], "rollouts_total", "evolve/validation_by_rollouts")):
+            xs = [r[x_key] for r in rounds]
+            means = [v["mean"] for v in val]
+            # max(0, …): at 0/n Wilson's low end can sit a rounding error above the estimate.
+            err = [[max(0.0, m - v["low"]) for m, v in zip(means, val)], [max(0.0, v["high"] - m) for m, v in zip(means, val)]]
+            ax.errorbar(xs, means, yerr=err, fmt="none", ecolor=colour, alpha=0.5, capsize=3)
+            acc = [j for j, r in enumerate(rounds) if r["accepted"]]
+            rej = [j for j, r in enumerate(rounds) if not r["accepted"]]
+            ax.plot([xs[j] for j in acc], [means[j] for j in acc], "o", color=colour, label=f"{name}: accepted")
+            if rej:
+                ax.plot([xs[j] for j in rej], [means[j] for j in rej], "o", mfc="none", color=colour,
+                        label=f"{name}: rejected")
+            ax.step(xs, incumbent, where="post", color=colour, label=f"{name}: incumbent")
+            series[key].append(Series(name, [float(x) for x in xs], means, [v["low"] for v in val],
+                                      [v["high"] for v in val], seeds=1))
+        for r in rounds:
+            pd = r.get("paired_diff")
+            rows.append([name, str(r["round"]), r["method"], str(r["rollouts_total"]), str(r.get("bank_size", "-")),
+                         str(r.get("successes_added", "-")), str(r.get("duplicates", "-")),
+                         fmt_interval(Interval(r["validation"]["mean"], r["validation"]["low"], r["validation"]["high"],
+                                               r["validation"]["n"]), percent=True),
+                         "-" if not pd else fmt_interval(Interval(pd["mean"], pd["low"], pd["high"], pd["n"])),
+                         "yes" if r["accepted"] else "no"])
+        last = rounds[-1]
+        final[name] = {"rounds": len(rounds) - 1, "incumbent_round": last["incumbent_round"],
+                       "incumbent_validation": inc_by_round[last["incumbent_round"]]["validation"],
+                       "rollouts_total": last["rollouts_total"]}
+    for ax, xlabel in zip(axes, ("round", "rollouts (evolve's own, training included)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation success")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_title("validation success by round (greedy, same tasks; 95 % Wilson)")
+    axes[1].set_title("validation success by rollouts spent")
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(f"lopd report: {len(run_dirs)} evolve run(s)")
+    return Report(fig, series, header, rows, final)

@@ -234,8 +234,8 @@ def teacher_hidden(model, batch: TeacherBatch, latents: torch.Tensor, view=None)
     """Last hidden states (B, T, d) of the teacher (adapters off, c_φ in the placeholders);
     gradients reach `latents`. Feed rows at `teacher_pos − 1` to the lm_head (chunked). `view`:
     another view of `model` than adapters off (adapters.use_student: `train.teacher: live`)."""
+    from lopd_cli.compose.composer import decoder_of
     from lopd_cli.models.adapters import teacher_view
-    from lopd_cli.models.composer import decoder_of
 
     with (view or teacher_view)(model):
         embeds = teacher_inputs_embeds(model, batch.input_ids, latents, batch.latent_mask)

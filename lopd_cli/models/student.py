@@ -7,8 +7,8 @@ Everything else in it (composer, optimiser state) is for resuming training and i
 at deployment only the student runs. A warm-started run (`train.init_from`, `warm_start` below)
 saves its whole student the same way, so nothing here follows a chain of runs. A run with
 `train.teacher: init` trains its student adapter on its own backbone, `runs/RUN/backbone/NAME/` (the
-warm-start student merged, `merged_init_backbone`); its checkpoints record that folder as their
-backbone (`"teacher": "init"`), and it must stay where it is.
+warm-start student merged, `train.init_backbone.merged_init_backbone`); its checkpoints record
+that folder as their backbone (`"teacher": "init"`), and it must stay where it is.
 
 `--checkpoint` accepts a run folder (its latest checkpoint), a step folder, a `latest` link or
 text file (`step_N`), a run's `checkpoints/` folder, or the word `latest` (the newest run of the
@@ -25,6 +25,9 @@ from typing import Iterable
 from lopd_cli.errors import LopdError
 
 CHECKPOINT_FILE = "checkpoint.json"
+# What `lopd export` writes into the folder it exports to (results/export.py); a merged
+# `train.teacher: init` backbone is recognised by it.
+EXPORT_INFO_FILE = "lopd_export.json"
 
 
 @dataclass(frozen=True)
@@ -256,32 +259,24 @@ RUN_BACKBONE = "backbone"  # runs/RUN/backbone/NAME/: a `train.teacher: init` ru
 
 def existing_init_backbone(run_dir: Path) -> Path | None:
     """The merged backbone folder a `train.teacher: init` run made on its first start, if any."""
-    from lopd_cli.export import EXPORT_INFO_FILE
-
     found = sorted((Path(run_dir) / RUN_BACKBONE).glob(f"*/{EXPORT_INFO_FILE}"))
     return found[0].parent if found else None
 
 
-def merged_init_backbone(info: CheckpointInfo, run_dir: Path, dtype: str = "float32",
-                         search_dirs: Iterable[Path] = ()) -> Path:
-    """`train.teacher: init`: `info`'s student merged into its backbone, written to
-    `run_dir/backbone/NAME/` (NAME: the backbone folder's own name) as a plain transformers folder
-    (with `lopd export --merge-lora`'s logit check) and loaded as the run's backbone. The teacher
-    (adapters off) is then the warm-start model, and the fresh student adapter (LoRA B = 0)
-    starts equal to it. The name is kept because a composer is matched to its backbone by
-    architecture and folder name: the cold-start composer of the plain backbone applies. Written
-    once: a resumed run reuses the folder, whatever the source run has done since."""
-    from lopd_cli.export import export_merged
-    from lopd_cli.models.backbone import resolve_backbone
+def load_policy(recipe, search_dirs: Iterable[Path] = (), checkpoint: str | Path | None = None,
+                model: str | None = None, runs_dir: Path | None = None):
+    """(model, tokenizer, meta) of whichever policy a command rolls out: a trained student
+    (`checkpoint`: what `--checkpoint` accepts), another model (`model`: a transformers folder or
+    an embedded name), else the recipe's backbone. `meta` says which produced the episodes
+    (`model`, and `checkpoint`: the step folder), for the records' meta."""
+    from lopd_cli.models.backbone import load_backbone
 
-    found = existing_init_backbone(run_dir)
-    if found is not None:
-        return found
-    name = Path(str(resolve_backbone(backbone_source(info), search_dirs))).name
-    out = Path(run_dir) / RUN_BACKBONE / name
-    save_dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
-    # A half-precision folder is checked against the float32 merge with a tolerance to match.
-    atol, rtol = (1e-4, 1e-5) if save_dtype == "float32" else (5e-2, 1e-2)
-    export_merged(info, out, dtype=save_dtype, device="cpu", atol=atol, rtol=rtol,
-                  search_dirs=search_dirs, force=True)
-    return out
+    if checkpoint is not None and model is not None:
+        raise LopdError("give --checkpoint or --model, not both")
+    if checkpoint is not None:
+        info = read_checkpoint(resolve_checkpoint(checkpoint, runs_dir=runs_dir))
+        m, tok = load_student(info, recipe.model.dtype, recipe.model.device, search_dirs)
+        return m, tok, {"model": info.backbone, "checkpoint": str(info.path)}
+    spec = model or recipe.model.backbone
+    m, tok = load_backbone(spec, recipe.model.dtype, recipe.model.device, list(search_dirs))
+    return m, tok, {"model": spec}

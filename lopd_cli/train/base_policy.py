@@ -7,14 +7,14 @@ random weights, so this module trains it (1,600 + 300 steps) on transcripts of t
 train, validation or test task is among them) and under its own rule set
 (`BASE_POLICY_RULES_SEED`, not the recipes'). The result ships in the package
 (`lopd_cli/models/data/orders-base-tiny`, float16) and `lopd init --example orders --model tiny`
-copies it; `python -m lopd_cli.envs.orders_policy` (`make base-policy`) rebuilds it bit for bit
+copies it; `python -m lopd_cli.train.base_policy` (`make base-policy`) rebuilds it bit for bit
 from its seed, `--check` compares.
 
 - Plain examples imitate the oracle with a mistake in 25 % of episodes (a wrong id, stopping
   early, an answer missing its fact), under the policy's own rules: alone it succeeds on some
   but not most tasks, and on a new rule set less often.
 - Reading examples (half) carry 1-2 solved transcripts of other tasks of the same store and kind
-  as text in the very frame the teachers use (`models.latent.with_reference_block`), and imitate
+  as text in the very frame the teachers use (`compose.latent.with_reference_block`), and imitate
   the clean oracle. Their task and references are re-drawn under a rule set drawn at random for
   that example, so the rule can only be read off the reference. An instruct LM has seen worked
   examples and does better with one in its prompt; a tiny model must be taught it. This builds
@@ -49,9 +49,9 @@ from pathlib import Path
 from typing import Callable
 
 from lopd_cli.agent.chat import tokenize_transcript
-from lopd_cli.agent.toolcalls import to_openai_tool_calls
-from lopd_cli.agent.types import Task, ToolCall
-from lopd_cli.envs.orders import OrdersEnv, oracle_plan
+from lopd_cli.agent.types import Task
+from lopd_cli.envs.orders import OrdersEnv
+from lopd_cli.envs.orders_agent import noisy_oracle_transcript
 
 POLICY_VERSION = 7  # bump when the recipe below changes, so cached policies are rebuilt
 DEFAULTS = dict(steps=1600, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0, rule_weight=10.0,
@@ -64,41 +64,15 @@ SPREAD = dict(steps=300, lr=1e-3, n_tasks=2048, plain_rules="random")  # n_tasks
 # demo's house rules are new to it, as a new store's would be to a team's existing agent.
 BASE_POLICY_RULES_SEED = 101
 # How reference text is cut: the orders-tiny recipe's bank.obs_char_budget and composer.max_item_tokens × 4
-# (what OPSD's teacher reads, lopd_cli.train.loop.text_reference_chars).
+# (what OPSD's teacher reads, lopd_cli.train.teacher_nll.text_reference_chars).
 REFERENCE_OBS_CHARS, REFERENCE_MAX_CHARS = 600, 1536
-
-
-def noisy_oracle_transcript(task: Task, rng: random.Random, noise: float) -> list[dict]:
-    """The oracle's episode for `task`; with probability `noise` it contains one mistake."""
-    env = OrdersEnv()
-    messages = env.reset(task)
-    calls, answer = oracle_plan(task)
-    mistake = rng.choice(["wrong_id", "early_stop", "vague_answer"]) if rng.random() < noise else None
-    if mistake == "early_stop" and len(calls) > 1:
-        calls = calls[: rng.randrange(1, len(calls))]
-    if mistake == "wrong_id":
-        i = rng.randrange(len(calls))
-        args = dict(calls[i].arguments)
-        key = next((k for k in ("order_id", "customer_id") if k in args), None)
-        if key is None:
-            mistake = "vague_answer"
-        else:
-            args[key] = args[key] + rng.choice([-1, 1]) * rng.randrange(1, 9)
-            calls = calls[:i] + [ToolCall(calls[i].name, args, calls[i].id)]
-    if mistake in ("vague_answer", "early_stop"):
-        answer = "Done."
-    for call in calls:
-        messages.append({"role": "assistant", "content": "", "tool_calls": to_openai_tool_calls([call])})
-        messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": env.step(call)})
-    messages.append({"role": "assistant", "content": answer})
-    return messages
 
 
 def with_text_references(messages: list[dict], references: list, rng: random.Random,
                          max_references: int) -> list[dict]:
     """`messages` with 1..max_references of `references` (solved transcripts of other tasks) as
-    plain text in the teacher's reference frame (`models.latent.with_reference_block`)."""
-    from lopd_cli.models.latent import text_reference_block, with_reference_block
+    plain text in the teacher's reference frame (`compose.latent.with_reference_block`)."""
+    from lopd_cli.compose.latent import text_reference_block, with_reference_block
 
     if not references:
         return messages
@@ -390,7 +364,7 @@ def install_orders_base_policy(dest: Path, seed: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lopd_cli.envs.orders_policy [--check] [--steps N] [--out DIR]`: rebuild the
+    """`python -m lopd_cli.train.base_policy [--check] [--steps N] [--out DIR]`: rebuild the
     shipped base policy from its seed (`make base-policy`); `--check` builds into a temporary
     folder and compares the weights' hash with the shipped one (bit for bit: same machine
     type, same torch, `LOPD_THREADS` as recorded in the manifest)."""
@@ -398,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
     import time
 
-    ap = argparse.ArgumentParser(prog="python -m lopd_cli.envs.orders_policy", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m lopd_cli.train.base_policy", description=main.__doc__)
     ap.add_argument("--out", type=Path, default=SHIPPED_DIR, help="where to write the packaged policy")
     ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     ap.add_argument("--tasks", type=int, default=DEFAULTS["n_tasks"], help="imitation tasks (the shipped build: default)")
@@ -428,26 +402,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if got == want else 1
     print(f"wrote {dest} (weights sha256 {got}) in {time.perf_counter() - t0:.0f} s")
     return 0
-
-
-def scripted_agent_records(tasks: list[Task], seed: int = 0, noise: float = 0.3) -> list[dict]:
-    """Rollout records of a scripted agent (the oracle with mistakes at rate `noise`), scored
-    by the orders world: stand-ins for the logs a team's existing agent has produced, in the
-    JSONL format `lopd bank add-rollouts` reads."""
-    rng = random.Random(seed)
-    records = []
-    for task in tasks:
-        messages = noisy_oracle_transcript(task, rng, noise)
-        env = OrdersEnv()
-        env.reset(task)
-        for m in messages:
-            for c in m.get("tool_calls") or []:
-                args = c["function"]["arguments"]
-                env.step(ToolCall(c["function"]["name"], json.loads(args) if isinstance(args, str) else args, c["id"]))
-        records.append({"task_id": task.id, "instruction": task.instruction, "messages": messages,
-                        "reward": env.reward(messages), "tools": task.tools,
-                        "meta": {"env": "orders", "agent": "scripted", "noise": noise, "seed": seed}})
-    return records
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def create_project(directory: Path, example: str, model: str, force: bool = Fals
     project = init_project(Path(directory), example=example, model=model, force=force, seed=seed)
     orders_backbone = backbone
     if base_policy and model == "tiny" and example == "orders":
-        from lopd_cli.envs.orders_policy import install_orders_base_policy
+        from lopd_cli.train.base_policy import install_orders_base_policy
 
         install_orders_base_policy(project.root / BASE_POLICY_DIR, seed=seed, progress=progress)
         orders_backbone = BASE_POLICY_BACKBONE

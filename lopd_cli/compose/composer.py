@@ -1,4 +1,4 @@
-"""The composer φ = (ψ, χ): retrieved trajectories → K latent tokens each (LOPD.md, "Composer").
+"""The composer φ = (ψ, χ): retrieved trajectories → K latent tokens each (docs/algorithm.md, "Composer").
 
 ψ is the backbone with the "encoder" LoRA adapter (lopd_cli.models.adapters): each retrieved item
 is rendered as "Task to solve:\\n{current task}\\n\\nReference past trajectory:\\n{trajectory}",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Iterable
 
 from lopd_cli.errors import LopdError
-from lopd_cli.student import CheckpointInfo, adapter_dir, backbone_source, load_student
+from lopd_cli.models.student import EXPORT_INFO_FILE, CheckpointInfo, adapter_dir, backbone_source, load_student
 
 # Prompts for the logit check: a plain chat, a tool-call style request and a code request.
 CHECK_CONVERSATIONS: list[list[dict]] = [
@@ -35,8 +35,6 @@ CHECK_CONVERSATIONS: list[list[dict]] = [
     [{"role": "user", "content": "Refund order 4821 for customer ada@example.com and tell me the total."}],
     [{"role": "user", "content": "Write a Python function add(a, b) that returns a + b."}],
 ]
-
-EXPORT_INFO_FILE = "lopd_export.json"
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Results: evaluating a checkpoint, exporting the student, and reporting runs."""

@@ -1,0 +1,24 @@
+"""Pick a generation backend by the recipe's name (`rollout.backend`).
+
+Its own module so that the interface (base.py) never imports the backends that implement it.
+"""
+
+from __future__ import annotations
+
+from lopd_cli.errors import LopdError
+from lopd_cli.rollout.base import Backend
+
+
+def make_backend(name: str, model, tokenizer) -> Backend:
+    """The recipe's `rollout.backend` for an already loaded model."""
+    if name == "hf":
+        from lopd_cli.rollout.hf import HFBackend
+
+        return HFBackend(model, tokenizer)
+    if name == "vllm":
+        try:
+            from lopd_cli.rollout.vllm import VLLMBackend  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise LopdError(f"rollout.backend: vllm is not available here ({e}); use backend: hf") from None
+        return VLLMBackend(model, tokenizer)
+    raise LopdError(f"rollout.backend: unknown backend '{name}' (hf or vllm)")
