@@ -183,18 +183,27 @@ def test_a_live_teacher_reads_the_students_current_weights(project):
 
 @pytest.fixture(scope="module")
 def runs(project):
-    """1 process and 2 FSDP processes, 2 LOPD steps each, for a LoRA and a full student."""
-    for student in ("lora", "full"):
-        sets = [f"model.student={student}", "train.steps=2"]
-        _check(_train_cmd(project, f"one-{student}", sets))
-        _check(_train_cmd(project, f"fsdp-{student}", sets + FSDP, nproc=2))
-    return project.runs_dir
+    """`runs(student)`: the runs folder once it holds runs/one-STUDENT (1 process, this one) and
+    runs/fsdp-STUDENT (2 FSDP processes), 2 LOPD steps each; each pair is trained on first use."""
+    from lopd_cli.train.loop import train
+
+    done: set[str] = set()
+
+    def pair(student: str) -> Path:
+        if student not in done:
+            sets = [f"model.student={student}", "train.steps=2"]
+            train(project, project.load_recipe("toolcall", SETS + sets), project.runs_dir / f"one-{student}")
+            _check(_train_cmd(project, f"fsdp-{student}", sets + FSDP, nproc=2))
+            done.add(student)
+        return project.runs_dir
+
+    return pair
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("student", ["lora", "full"])
 def test_two_fsdp_processes_match_one_process(runs, student):
-    one, two = runs / f"one-{student}", runs / f"fsdp-{student}"
+    one, two = runs(student) / f"one-{student}", runs(student) / f"fsdp-{student}"
     m1, m2 = read_metrics(one), read_metrics(two)
     assert [r["step"] for r in m2] == [1, 2] and m2[-1]["kl"] > 0 and m2[-1]["grad_norm_student"] > 0
     assert _max_metric_diff(m1, m2) <= TOL
@@ -250,7 +259,7 @@ def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_run(project, runs):
     assert (ckdir / "step_1").exists() and not (ckdir / "step_2").exists(), "killed too late to test a resume"
 
     _check(_train_cmd(project, "killed", sets, nproc=2, resume=True))
-    whole = runs / "fsdp-full"
+    whole = runs("full") / "fsdp-full"
     assert _max_metric_diff(read_metrics(whole), read_metrics(project.runs_dir / "killed")) <= TOL
     assert _max_weight_diff(whole / "checkpoints" / "step_2", ckdir / "step_2") <= TOL
 
@@ -261,7 +270,7 @@ def test_export_from_a_sharded_checkpoint_loads_in_transformers_and_generates(ru
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / f"export-{student}"
-    res = lopd("export", str(runs / f"fsdp-{student}"), "--merge-lora", "--out", str(out))
+    res = lopd("export", str(runs(student) / f"fsdp-{student}"), "--merge-lora", "--out", str(out))
     assert res.code == 0, res
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -270,7 +279,7 @@ def test_export_from_a_sharded_checkpoint_loads_in_transformers_and_generates(ru
     gen = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert gen.shape[1] > ids.shape[1]
     # the export is the sharded run's student, which is the one-process run's student
-    one = AutoModelForCausalLM.from_pretrained(str(_export(lopd, runs / f"one-{student}", tmp_path)), dtype=torch.float32)
+    one = AutoModelForCausalLM.from_pretrained(str(_export(lopd, runs(student) / f"one-{student}", tmp_path)), dtype=torch.float32)
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, one(ids).logits, atol=1e-4)
 
