@@ -234,9 +234,12 @@ class TrainSection(Section):
     init_from: str | None = Field(
         None,
         description="Warm start: a run (runs/RUN) or checkpoint folder whose student starts this run; optimisers start fresh.")
-    teacher: Literal["base", "init"] = Field(
+    teacher: Literal["base", "init", "live"] = Field(
         "base",
-        description="Teacher of a warm-started run: the recipe's backbone (base) or init_from's student merged into it (init).")
+        description="LOPD/OPSD teacher: base (the frozen backbone), init (init_from's student, frozen) or live (the student's current weights).")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="Under torchrun: ddp (data parallel, whole model per rank) or fsdp (FSDP2: weights, grads, optimiser states sharded between steps).")
     distill: DistillSection = Field(default_factory=DistillSection, description="LOPD and OPSD: the distillation loss.")
     lopd: LopdSection = Field(
         default_factory=LopdSection,

@@ -137,7 +137,7 @@ def test_composer_micro_batch_chunks_the_composer_pass_and_keeps_the_gradients(b
     sizes = []
     th = step.teacher_hidden
     monkeypatch.setattr(step, "teacher_hidden",
-                        lambda m, tb, lat: sizes.append((torch.is_grad_enabled(), lat.shape[0])) or th(m, tb, lat))
+                        lambda m, tb, lat, **kw: sizes.append((torch.is_grad_enabled(), lat.shape[0])) or th(m, tb, lat, **kw))
     o_one, gs_one, gc_one = _run(b, b.episodes, b.refs, composer_micro_batch=1)
     assert sizes == [(True, 1)] * 6, "six composer chunks of one row, each with gradient"
     for k in ("kl", "composer_kl", "delta", "anchor"):

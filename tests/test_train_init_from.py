@@ -278,6 +278,23 @@ def test_teacher_init_makes_the_warm_start_model_the_teacher(project, tmp_path):
         load_student(moved, device="cpu")
 
 
+def test_teacher_init_for_a_full_student_is_a_frozen_copy_of_the_warm_start(project):
+    """model.student=full, train.teacher=init: the student starts from the warm start (merged
+    into runs/RUN/backbone/) and the teacher is a frozen copy of it, which training leaves as it
+    is; the checkpoint records the teacher."""
+    from lopd_cli.models.student import read_checkpoint, resolve_checkpoint
+
+    src, tok = _checkpoint_student(project.runs_dir / "src-sft")
+    inputs = _inputs(tok)
+    source = _student_logits(src, inputs)
+    tr = _train(project, "tinit-full", ["train.init_from=runs/src-sft", "train.teacher=init", "model.student=full",
+                                        "train.steps=1", "train.save_every=1"])
+    assert _same(_student_logits(tr.teacher, inputs), source, atol=1e-5), "the teacher is the warm start"
+    assert not _same(_student_logits(tr.model, inputs), source, atol=1e-6), "one step moves the student"
+    info = read_checkpoint(resolve_checkpoint(project.runs_dir / "tinit-full"))
+    assert (info.teacher, info.student) == ("init", "full")
+
+
 def test_teacher_init_refusals_are_one_line(project, lopd):
     def err(name: str, *sets: str) -> str:
         r = lopd("train", "-C", project.root, "--recipe", "toolcall", "--run", name, "--set", "train.steps=1",
@@ -289,8 +306,6 @@ def test_teacher_init_refusals_are_one_line(project, lopd):
         return lines[0]
 
     assert "train.teacher: init needs train.init_from" in err("ti1", "train.teacher=init")
-    assert "train.teacher: init needs a LoRA student" in err(
-        "ti2", "train.teacher=init", "train.init_from=runs/src-sft", "model.student=full")
     _train(project, "tinit1", ["train.init_from=runs/src-sft", "train.teacher=init", "train.algo=sft",
                                "train.steps=1", "train.save_every=1"])
     assert "continue it with train.teacher=init" in err("ti3", "train.init_from=runs/tinit1")

@@ -387,8 +387,10 @@ class Composer(nn.Module):
             "embedder_fingerprint": embedder_fp,
         }
 
-    def save(self, out_dir: Path, embedder_fingerprint: str | None = None, extra: dict | None = None) -> Path:
-        """out_dir/{qformer.safetensors, encoder/ (peft adapter), manifest.json}."""
+    def save(self, out_dir: Path, embedder_fingerprint: str | None = None, extra: dict | None = None,
+             backbone_state: dict | None = None) -> Path:
+        """out_dir/{qformer.safetensors, encoder/ (peft adapter), manifest.json}. `backbone_state`:
+        the backbone's weights when they are sharded (adapters.save_adapter)."""
         from safetensors.torch import save_file
 
         from lopd_cli.models.backbone import backbone_fingerprint
@@ -397,7 +399,7 @@ class Composer(nn.Module):
         out_dir.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.resampler.state_dict().items()}
         save_file(state, str(out_dir / QFORMER_FILE))
-        save_adapter(self.backbone, self.adapter, out_dir / ENCODER_DIR)
+        save_adapter(self.backbone, self.adapter, out_dir / ENCODER_DIR, state_dict=backbone_state)
         manifest = self.manifest(backbone_fingerprint(self.backbone), embedder_fingerprint) | (extra or {})
         (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
         return out_dir

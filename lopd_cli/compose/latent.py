@@ -230,13 +230,14 @@ def _cache_kwarg(decoder_class: type) -> str:
     return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
 
 
-def teacher_hidden(model, batch: TeacherBatch, latents: torch.Tensor) -> torch.Tensor:
+def teacher_hidden(model, batch: TeacherBatch, latents: torch.Tensor, view=None) -> torch.Tensor:
     """Last hidden states (B, T, d) of the teacher (adapters off, c_φ in the placeholders);
-    gradients reach `latents`. Feed rows at `teacher_pos − 1` to the lm_head (chunked)."""
+    gradients reach `latents`. Feed rows at `teacher_pos − 1` to the lm_head (chunked). `view`:
+    another view of `model` than adapters off (adapters.use_student: `train.teacher: live`)."""
     from lopd_cli.compose.composer import decoder_of
     from lopd_cli.models.adapters import teacher_view
 
-    with teacher_view(model):
+    with (view or teacher_view)(model):
         embeds = teacher_inputs_embeds(model, batch.input_ids, latents, batch.latent_mask)
         return decoder_hidden(decoder_of(model), batch.input_ids, batch.attention_mask, embeds, batch.latent_mask)
 

@@ -137,7 +137,11 @@ def _active(model, name: str) -> Iterator:
 
 @contextmanager
 def teacher_view(model) -> Iterator:
-    """The frozen backbone: all adapters skipped for the duration (no copy, no merge)."""
+    """The frozen backbone: all adapters skipped for the duration (no copy, no merge). A model
+    without adapters (a full student's frozen teacher copy) is already that."""
+    if not is_wrapped(model):
+        yield model
+        return
     with _adapters_disabled(model):
         yield model
 
@@ -161,9 +165,10 @@ def use_student(model) -> Iterator:
             yield model
 
 
-def save_adapter(model, name: str, out_dir: Path) -> Path:
+def save_adapter(model, name: str, out_dir: Path, state_dict: dict | None = None) -> Path:
     """One adapter in standard peft format (adapter_config.json + adapter_model.safetensors),
-    loadable by `PeftModel.from_pretrained(base, out_dir)`."""
+    loadable by `PeftModel.from_pretrained(base, out_dir)`. `state_dict`: the model's weights
+    under its own parameter names when the model's are sharded (train/sharding.py)."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -171,7 +176,7 @@ def save_adapter(model, name: str, out_dir: Path) -> Path:
         raise LopdError(f"no adapter named '{name}' to save")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(model, adapter_name=name)
+    state = get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=name)
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out_dir / "adapter_model.safetensors"))
     model.peft_config[name].save_pretrained(str(out_dir))
     return out_dir

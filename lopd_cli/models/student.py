@@ -235,10 +235,9 @@ def init_source(project, recipe) -> CheckpointInfo | None:
         raise LopdError(f"train.init_from: {spec} holds a fully fine-tuned student and this recipe trains a LoRA "
                         "student on the plain backbone (set model.student=full to continue it)")
     if recipe.train.teacher == "init":
-        if recipe.model.student != "lora":
-            raise LopdError("train.teacher: init needs a LoRA student (model.student: lora); a fully fine-tuned "
-                            "student already starts from the warm start's weights")
-        return info  # a fresh student adapter on the merged backbone: any source shape will do
+        # LoRA: a fresh student adapter on the merged backbone; full: the student starts from the
+        # merged backbone and the teacher is a frozen copy of it. Any source shape will do.
+        return info
     if info.student == "lora" and info.teacher == "init" and recipe.model.student == "lora":
         raise LopdError(f"train.init_from: {spec} trained its adapter on a merged warm-start backbone "
                         "(train.teacher: init); continue it with train.teacher=init, or with model.student=full")

@@ -25,8 +25,11 @@ composer's encoder adapter and resampler) of ONE peft model with several adapter
 parameters receive gradients changes with the phase and the algorithm. DDP's reducer expects one
 backward per forward over a fixed set of used parameters (`find_unused_parameters`, `no_sync`
 juggling); summing the gradients once after all backward passes is the same arithmetic with one
-collective per step and no wrapper around the model. FSDP (sharded weights for backbones that
-do not fit one device) is not supported yet.
+collective per step and no wrapper around the model.
+
+`train.parallel: fsdp` shards the backbone instead (PyTorch FSDP2, train/sharding.py): the split
+of a step above is the same, FSDP's reduce-scatter sums the backbone's gradients into each rank's
+shard, and `sum_gradients` here is left with χ (the composer's resampler, replicated).
 """
 
 from __future__ import annotations

@@ -14,10 +14,13 @@ hold everything needed for an exact resume: adapters, composer, optimiser states
 states, the task sampler's position and the counters. `train.init_from` starts the student from
 another run's (student.py `warm_start`); the optimisers start fresh. With `train.teacher: init`
 that student, merged, becomes the run's backbone and so its teacher (`init_teacher_backbone`).
+A full student's teacher ("base", "init") is a frozen copy of the weights it starts from
+(`Trainer.teacher`); `train.teacher: live` makes the student its own teacher.
 
 Under torchrun / accelerate launch each rank rolls out its share of the step's tasks and the
 gradients are summed over ranks (train/distributed.py); in one process every helper there is
-the identity.
+the identity. `train.parallel: fsdp` shards the backbone with FSDP2 (train/sharding.py): each
+step runs inside `sharding.gathered`, and the checkpoints hold the optimiser states sharded.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ from lopd_cli.project import Project
 from lopd_cli.runtime import seed_everything, warn_if_slow_bf16
 from lopd_cli.train import checkpoint as ckpt
 from lopd_cli.train import distributed as dist
+from lopd_cli.train import sharding
 from lopd_cli.train.batch import BatchTotals, batch_totals
 from lopd_cli.train.grpo import GrpoSetup, grpo_update
 from lopd_cli.train.metrics import MetricsLog, peak_memory_mb
-from lopd_cli.train.optim import _grad_norm, _student_params
+from lopd_cli.train.optim import _grad_norm, _student_params, _sum_gradients
 from lopd_cli.train.sampler import TaskSampler
 from lopd_cli.train.step import NoGradLatents, dual_step, rollout_phase, step_metrics, trainer_step
 
@@ -86,6 +90,8 @@ class Trainer:
     on_step: Callable[[dict], None] | None = None
     backbone_path: str = ""
     nograd_latents: Any = None  # step.NoGradLatents: no-grad c_φ per (task, item) while φ is unchanged
+    teacher: Any = None  # a full student's frozen teacher copy (`teacher_copy_needed`); None: the teacher is a view of `model`
+    sharding: Any = None  # sharding.Sharding under train.parallel=fsdp
     extra: dict = field(default_factory=dict)
 
     @property
@@ -184,7 +190,26 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
     if prior is None:
         prior = lopd_generated_rollouts(project, recipe) if t.algo in ("lopd", "opsd", "sft") else 0
     tr.state.rollouts_total = prior
+    if teacher_copy_needed(recipe):
+        rng = ckpt.rng_state()  # loading the copy must not shift what the run samples
+        tr.teacher = load_teacher_copy(backbone, recipe, search)
+        ckpt.set_rng_state(rng)
     return tr
+
+
+def teacher_copy_needed(recipe: Recipe) -> bool:
+    """A full student's LOPD/OPSD teacher ("base", "init") is a frozen copy of the weights the
+    student starts from: the student's own base weights move with every step ("live")."""
+    return recipe.model.student == "full" and recipe.train.algo in ("lopd", "opsd") and recipe.train.teacher != "live"
+
+
+def load_teacher_copy(backbone: str, recipe: Recipe, search: list) -> Any:
+    """The frozen teacher copy: the run's backbone (the recipe's, or the merged warm start of
+    `train.teacher: init`) loaded once more, without adapters or gradients."""
+    model, _ = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search)
+    model.requires_grad_(False)
+    model.eval()
+    return model
 
 
 def init_teacher_backbone(project: Project, recipe: Recipe, run_dir: Path) -> Path:
@@ -265,6 +290,8 @@ def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
 
 
 def _norm(params: list[torch.nn.Parameter]) -> float:
+    if sharding.uses_dtensors(params):
+        return sharding.grad_norm(params)
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return float(torch.stack(grads).norm()) if grads else 0.0
 
@@ -348,7 +375,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
         row.update(step_metrics(o, tr))
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
     comp_params = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
-    dist.sum_gradients(_student_params(tr.model) + comp_params)
+    _sum_gradients(tr, _student_params(tr.model) + comp_params)
     student_norm = _grad_norm(_student_params(tr.model), t.grad_clip)
     if tr.composer_opt is not None:  # ψ's and χ's own norms, before the joint clip
         for g in tr.composer_opt.param_groups:
@@ -463,39 +490,50 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
 
 def save(tr: Trainer) -> Path:
     model = tr.model
+    # Sharded: the weights that train gathered on rank 0, the optimiser states written sharded.
+    whole = sharding.full_state_dict(tr) if tr.sharding is not None else None
     writers: dict[str, Callable[[Path], None]] = {}
     if ad.has_student_adapter(model):
-        writers["student"] = lambda p: ad.save_adapter(model, ad.STUDENT, p)
+        writers["student"] = lambda p: ad.save_adapter(model, ad.STUDENT, p, state_dict=whole)
     else:
-        writers["student"] = lambda p: save_full_student(model, tr.tokenizer, p)
+        writers["student"] = lambda p: save_full_student(model, tr.tokenizer, p, state_dict=whole)
     if tr.composer is not None:
         def write_composer(p: Path) -> None:
-            tr.composer.save(p, tr.embedder_fingerprint)
+            tr.composer.save(p, tr.embedder_fingerprint, backbone_state=whole)
             if tr.latent_cache is not None:
                 tr.latent_cache.save(p)
         writers["composer"] = write_composer
     state = {
         "step": tr.state.step, "beta": tr.state.beta, "rollouts_total": tr.state.rollouts_total,
         "nonfinite_streak": tr.state.nonfinite_streak, "sampler": tr.state.sampler.state_dict(),
-        "student_opt": tr.student_opt.state_dict(),
-        "composer_opt": tr.composer_opt.state_dict() if tr.composer_opt else None,
+        "student_opt": tr.student_opt.state_dict() if tr.sharding is None else None,
+        "composer_opt": tr.composer_opt.state_dict() if tr.composer_opt and tr.sharding is None else None,
         "composer_sched": tr.composer_sched.state_dict() if tr.composer_sched else None,
         "rng": ckpt.rng_state(), "sft_ids": tr.extra.get("sft_ids"),
     }
+    if tr.sharding is not None:
+        tmp = tr.run_dir / "checkpoints" / f".step_{tr.state.step}.{sharding.SHARDED_DIR}.tmp"
+        state["sharded_optimizers"] = sharding.save_optimizers(tr, tmp)
+        writers[sharding.SHARDED_DIR] = lambda p: tmp.rename(p) if tmp.is_dir() else None
     meta = {"algo": tr.algo, "backbone": tr.recipe.model.backbone, "backbone_path": tr.backbone_path,
             "student": tr.recipe.model.student, "rollouts_total": tr.state.rollouts_total,
             "world_size": dist.world_size(), "init_from": tr.extra.get("init_from"),
-            "teacher": tr.recipe.train.teacher}
+            "teacher": tr.recipe.train.teacher, "parallel": "fsdp" if tr.sharding is not None else "ddp"}
     # Rank 0 alone writes (every rank holds the same weights and state); the others wait.
     return dist.on_main(lambda: ckpt.save_checkpoint(tr.run_dir / "checkpoints", tr.state.step, meta, state,
                                                      writers, keep_last=tr.recipe.train.keep_last))
 
 
-def save_full_student(model, tokenizer, out: Path) -> None:
+def save_full_student(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
     """Full fine-tuning: the base weights (LoRA layers of the composer left out) as a plain
-    transformers directory."""
+    transformers directory. `state_dict`: the peft model's weights when they are sharded."""
     base = model.get_base_model()
-    sd = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if "lora_" not in k}
+    if state_dict is None:
+        state_dict = base.state_dict()
+    else:
+        prefix = "base_model.model."
+        state_dict = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
+    sd = {k.replace(".base_layer.", "."): v for k, v in state_dict.items() if "lora_" not in k}
     clean = type(base)(base.config)
     clean.load_state_dict(sd, strict=False)
     clean.save_pretrained(out)
@@ -529,11 +567,13 @@ def restore(tr: Trainer, step_dir: Path) -> None:
     if tr.composer is not None:
         loaded = Composer.load(step_dir / "composer", tr.model, tr.tokenizer, tr.recipe.composer)
         tr.composer.resampler.load_state_dict(loaded.resampler.state_dict())
-    tr.student_opt.load_state_dict(state["student_opt"])
+    if state["student_opt"] is not None:  # None: sharded (train.parallel=fsdp), loaded after sharding
+        tr.student_opt.load_state_dict(state["student_opt"])
     if tr.composer_opt is not None and state.get("composer_opt"):
         tr.composer_opt.load_state_dict(state["composer_opt"])
-        if tr.composer_sched is not None and state.get("composer_sched"):
-            tr.composer_sched.load_state_dict(state["composer_sched"])
+    if tr.composer_sched is not None and state.get("composer_sched"):
+        tr.composer_sched.load_state_dict(state["composer_sched"])
+    tr.extra["sharded_optimizers"] = state.get("sharded_optimizers")
     tr.state.step = state["step"]
     tr.state.beta = state["beta"]
     tr.state.rollouts_total = state["rollouts_total"]
@@ -579,6 +619,8 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
     from lopd_cli.models.student import init_source, warm_start
 
     dist.init_from_env()
+    if recipe.train.parallel == "fsdp" and dist.is_distributed():
+        sharding.check_recipe(recipe)
     init = None if resume else init_source(project, recipe)  # its errors before the run folder exists
     step_dir = dist.on_main(lambda: prepare_run_dir(run_dir, recipe, resume))
     if step_dir is not None:
@@ -606,15 +648,21 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
     if dist.is_distributed():  # what DDP does at construction: start from rank 0's weights
         comp = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
         dist.broadcast_parameters(_student_params(tr.model) + comp)
+    if recipe.train.parallel == "fsdp" and dist.is_distributed():
+        tr.sharding = sharding.shard_trainer(tr)
+        if step_dir is not None:
+            sharding.load_optimizers(tr, step_dir / sharding.SHARDED_DIR, tr.extra.get("sharded_optimizers") or [])
     tr.metrics = MetricsLog(run_dir, recipe.train.tensorboard, resume_step=tr.state.step if resume else None,
                             write=dist.is_main())
     t = recipe.train
     try:
         while tr.state.step < t.steps:
-            row = train_step(tr, progress)
+            with sharding.gathered(tr.sharding):
+                row = train_step(tr, progress)
             if t.eval_every and tr.state.step % t.eval_every == 0:
-                row.update(validate(tr, tr.state.step))
-                row.update(composer_health_row(tr, tr.state.step))
+                with sharding.gathered(tr.sharding):
+                    row.update(validate(tr, tr.state.step))
+                    row.update(composer_health_row(tr, tr.state.step))
             tr.metrics.log(row)
             if on_step:
                 on_step(row)

@@ -1,11 +1,18 @@
-"""The student's trainable parameters and their gradient-norm clipping, shared by the loop's
-LOPD/GRPO/OPSD step (loop.py) and the SFT step (sft.py)."""
+"""The student's trainable parameters, the gradients' sum over ranks and their norm clipping,
+shared by the loop's LOPD/GRPO/OPSD step (loop.py) and the SFT step (sft.py)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from lopd_cli.models import adapters as ad
+from lopd_cli.train import distributed as dist
+from lopd_cli.train import sharding
+
+if TYPE_CHECKING:
+    from lopd_cli.train.loop import Trainer
 
 
 def _student_params(model) -> list[torch.nn.Parameter]:
@@ -17,4 +24,15 @@ def _grad_norm(params: list[torch.nn.Parameter], clip: float) -> float:
     params = [p for p in params if p.grad is not None]
     if not params:
         return 0.0
+    if sharding.uses_dtensors(params):
+        return sharding.clip_grad_norm(params, clip)
     return float(torch.nn.utils.clip_grad_norm_(params, clip))
+
+
+def _sum_gradients(tr: Trainer, params: list[torch.nn.Parameter]) -> None:
+    """The gradients summed over ranks: FSDP's reduce-scatter for a sharded backbone (whose
+    parameters are then the shards: read them again), an all-reduce otherwise."""
+    if tr.sharding is not None:
+        sharding.sum_gradients(tr.sharding, params)
+    else:
+        dist.sum_gradients(params)

@@ -146,7 +146,7 @@ def nll_update(tr: "Trainer", local: list[Episode], total_tokens: int) -> tuple[
 def sft_step(tr: "Trainer") -> dict[str, Any]:
     """One SFT step: sample, NLL backward, all-reduce, clip, optimiser step (or skip when not
     finite). Returns the metrics row; advances tr.state like train_step."""
-    from lopd_cli.train.optim import _grad_norm, _student_params
+    from lopd_cli.train.optim import _grad_norm, _student_params, _sum_gradients
 
     t = tr.recipe.train
     step = tr.state.step + 1
@@ -161,9 +161,8 @@ def sft_step(tr: "Trainer") -> dict[str, Any]:
     loss, _ = nll_update(tr, batch[lo:hi], totals.n_tokens)
     sec_student = time.perf_counter() - t1
     loss = dist.all_reduce_sum({"loss": loss})["loss"]
-    params = _student_params(tr.model)
-    dist.sum_gradients(params)
-    norm = _grad_norm(params, t.grad_clip)
+    _sum_gradients(tr, _student_params(tr.model))
+    norm = _grad_norm(_student_params(tr.model), t.grad_clip)  # read again: sharded after the sum
     row: dict[str, Any] = {"step": step, "algo": tr.algo, "rollouts_total": tr.state.rollouts_total,
                            "loss": loss, "nll": loss, "grad_norm_student": norm, "grad_norm_composer": None}
     if math.isfinite(loss) and math.isfinite(norm):

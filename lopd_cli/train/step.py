@@ -2,14 +2,15 @@
 
     1. `rollout_phase`: the student (adapters on, no latents) plays this rank's share of the
        step's tasks (the loop runs it; GRPO's step starts with it too);
-    2. `teacher_phase`: the frozen backbone (adapters off) on the teacher prompt — LOPD: latents
-       c_φ from the composer in the placeholder positions; OPSD: the retrieved trajectories as
+    2. `teacher_phase`: the teacher (`train.teacher`; by default the frozen backbone, adapters
+       off, or a full student's frozen copy of it) on the teacher prompt — LOPD: latents c_φ
+       from the composer in the placeholder positions; OPSD: the retrieved trajectories as
        plain text (`retrieve_refs`, `opsd_prompt_fn`) — keeping the top-M ids per action token;
     3. `student_phase`: reverse KL(p̃^S ‖ sg p̃^T) on those ids + tail, gradients into θ;
     4. `composer_phase` (LOPD, composer not frozen): `losses.composer_objective`, i.e.
        KL(sg p̃^S ‖ p̃^T) + β(m − Δ) + λ·anchor (+ w·contrastive hinge on the successful
-       rollouts), gradients into φ; then, after the optimiser steps, `dual_step` on β (only when
-       Δ is defined).
+       rollouts), gradients into φ (only: `composer_leaves`); then, after the optimiser steps,
+       `dual_step` on β (only when Δ is defined).
 
 `lopd_step` runs phases 2–4 on a batch of rollouts; `trainer_step` is what `train.loop.update`
 calls (retrieval, the set-up from the recipe, the sum over ranks).
@@ -83,6 +84,15 @@ class StepSetup:
     # privileged, not wherever the reference frame merely shifts it. One more no-grad teacher pass.
     privilege_gate: bool = False
     composer_micro_batch: int | None = None  # composer-pass rows per chunk, at most micro_batch (None: micro_batch)
+    # Whose weights the teacher pass runs (`train.teacher`): `teacher_model`, when set, is a module
+    # of its own (a full student's frozen copy: its own LM head too); `teacher_live` reads `model`
+    # through the student's view (its current weights) instead of with the adapters off.
+    teacher_model: object | None = None
+    teacher_live: bool = False
+    # When set, the composer pass's backward reaches only these parameters (φ): a live teacher, or
+    # a full student's encoder pass over its own base, puts the student's weights in that graph,
+    # and the composer objective must not train them.
+    composer_leaves: Callable[[], list] | None = None
 
 
 @dataclass
@@ -113,7 +123,10 @@ class StepBatch:
     full: StudentBatch  # the whole (rank's) batch, on the CPU
     pad: int
     device: torch.device
-    head: object  # the output head (shared by teacher and student)
+    head: object  # the student's output head (and the teacher's when the teacher is a view of the model)
+    teacher: object  # the module the teacher pass runs: `setup.teacher_model` or the model itself
+    teacher_head: object
+    teacher_view: Callable | None  # the view of `teacher` it runs under (None: adapters off)
     lopd: bool  # latents from the composer (False: OPSD, references as text)
     n_seq_total: int
     n_tok_total: int
@@ -213,6 +226,7 @@ def prepare_batch(setup: StepSetup, episodes: Sequence[Episode], refs: Sequence[
     from lopd_cli.train.batch import batch_totals
 
     model = setup.model
+    tmodel = setup.teacher_model if setup.teacher_model is not None else model
     lopd = setup.composer is not None
     grad_phi = lopd and setup.train_composer
     pad = setup.tokenizer.pad_token_id or 0
@@ -232,7 +246,8 @@ def prepare_batch(setup: StepSetup, episodes: Sequence[Episode], refs: Sequence[
         n_succ_total = int(dist.all_reduce_sum({"n": int(sc.sum())})["n"])
     return StepBatch(
         episodes=episodes, refs=refs, full=full, pad=pad, device=next(model.parameters()).device,
-        head=output_head(model), lopd=lopd,
+        head=output_head(model), teacher=tmodel, teacher_head=output_head(tmodel),
+        teacher_view=use_student if setup.teacher_live else None, lopd=lopd,
         n_seq_total=max(1, totals.n_sequences if totals else full.n_sequences),
         n_tok_total=max(1, totals.n_tokens if totals else full.n_tokens),
         c_seq_total=max(1, ctot.n_sequences if ctot else full.n_sequences),
@@ -289,17 +304,17 @@ def teacher_phase(setup: StepSetup, batch: StepBatch, mb: MicroBatch, tally: Tal
     t0 = time.perf_counter()
     pred, latents, tb = teacher_forward(setup, batch, mb.episodes, mb.refs, tally, grad)
     if grad:
-        t_lp, t_ids = losses.chunked_teacher_topm(pred.detach(), batch.head, setup.top_m, mask=mb.sb.mask,
+        t_lp, t_ids = losses.chunked_teacher_topm(pred.detach(), batch.teacher_head, setup.top_m, mask=mb.sb.mask,
                                                   chunk_size=setup.logit_chunk)
         out = TeacherOutputs(t_lp, t_ids, None, hidden=pred, latents=latents, teacher_batch=tb)
     else:
-        t_lp, t_ids = losses.chunked_teacher_topm(pred, batch.head, setup.top_m, mask=mb.sb.mask,
+        t_lp, t_ids = losses.chunked_teacher_topm(pred, batch.teacher_head, setup.top_m, mask=mb.sb.mask,
                                                   chunk_size=setup.logit_chunk)
         out = TeacherOutputs(t_lp, t_ids, None)
         if batch.lopd:
             with torch.no_grad():
-                out.token_logprobs = losses.chunked_token_logprobs(pred, batch.head, mb.sb.targets, mask=mb.sb.mask,
-                                                                   chunk_size=setup.logit_chunk)
+                out.token_logprobs = losses.chunked_token_logprobs(pred, batch.teacher_head, mb.sb.targets,
+                                                                   mask=mb.sb.mask, chunk_size=setup.logit_chunk)
         del pred, latents, tb
     out.gate = privilege_gate(setup, batch, mb, t_lp, t_ids, tally)
     tally.seconds["teacher"] += time.perf_counter() - t0
@@ -318,12 +333,12 @@ def teacher_forward(setup: StepSetup, batch: StepBatch, eps: list[Episode], mref
                                      None if grad else batch.nograd)
             tally.seconds["encode"] += time.perf_counter() - t0
             tb = build_teacher_batch(eps, setup.tokenizer, batch.n_latents).to(device)
-            th = teacher_hidden(model, tb, latents.to(device))
+            th = teacher_hidden(batch.teacher, tb, latents.to(device), view=batch.teacher_view)
         else:
             latents = None
             tb = build_teacher_batch(eps, setup.tokenizer, 0,
                                      prompt_fn=lambda b, ep: setup.text_prompt(ep, mrefs[b])).to(device)
-            th = teacher_hidden(model, tb, th_empty_latents(len(eps), device, model))
+            th = teacher_hidden(batch.teacher, tb, th_empty_latents(len(eps), device, model), view=batch.teacher_view)
         return to_student_layout(th, tb, tuple(collate_shape(eps))), latents, tb
 
 
@@ -338,7 +353,7 @@ def privilege_gate(setup: StepSetup, batch: StepBatch, mb: MicroBatch, t_lp: tor
     crefs = [controls[i] if controls[i] is not None else list(batch.refs[i]) for i in mb.rows]
     with torch.no_grad():
         c_pred, _, _ = teacher_forward(setup, batch, mb.episodes, crefs, tally, grad=False)
-        c_lp, _ = losses.chunked_logprobs(c_pred, batch.head, topm_ids=t_ids, mask=mb.sb.mask,
+        c_lp, _ = losses.chunked_logprobs(c_pred, batch.teacher_head, topm_ids=t_ids, mask=mb.sb.mask,
                                           chunk_size=setup.logit_chunk)
         w = losses.privilege_weights(t_lp, c_lp)
         w[~torch.tensor(have, device=w.device)] = 1.0  # no control in the batch: ungated
@@ -384,7 +399,7 @@ def composer_phase(setup: StepSetup, batch: StepBatch, mb: MicroBatch, teacher: 
     with torch.no_grad(), use_student(model), _autocast(setup.autocast, batch.device):
         s_topm, s_tok = losses.chunked_logprobs(student_hidden(model, sb), batch.head, topm_ids=teacher.topm_ids,
                                                 token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
-    t_topm, t_tok = losses.chunked_logprobs(teacher.hidden, batch.head, topm_ids=teacher.topm_ids,
+    t_topm, t_tok = losses.chunked_logprobs(teacher.hidden, batch.teacher_head, topm_ids=teacher.topm_ids,
                                             token_ids=sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
     ckl = losses.topm_reverse_kl(s_topm, t_topm, sb.mask, detach="student")
     delta = margin_of(setup, batch, mb, t_tok, s_tok)
@@ -405,7 +420,10 @@ def composer_phase(setup: StepSetup, batch: StepBatch, mb: MicroBatch, teacher: 
                                  anchor=wc_task, contrastive=w_pairs)
     obj = losses.composer_objective(ckl.loss, beta, None, delta, anchor, setup.anchor_lambda,
                                     hinge, setup.contrastive_weight, weights)
-    obj.backward()
+    if setup.composer_leaves is not None:
+        obj.backward(inputs=setup.composer_leaves())
+    else:
+        obj.backward()
     teacher.hidden = teacher.latents = None  # the graph is spent: nothing of it outlives this phase
     del latents, obj, t_topm, t_tok
     out = tally.out
@@ -431,9 +449,10 @@ def contrastive_term(setup: StepSetup, batch: StepBatch, mb: MicroBatch, teacher
     if not keep:
         return latents.sum() * 0.0, 0
     with _autocast(setup.autocast, latents.device):
-        th_o = teacher_hidden(setup.model, tb, latents[torch.tensor(perm, device=latents.device)])
+        th_o = teacher_hidden(batch.teacher, tb, latents[torch.tensor(perm, device=latents.device)],
+                              view=batch.teacher_view)
         pred_o = to_student_layout(th_o, tb, tuple(sb.mask.shape))
-    other = losses.chunked_token_logprobs(pred_o, batch.head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
+    other = losses.chunked_token_logprobs(pred_o, batch.teacher_head, sb.targets, mask=sb.mask, chunk_size=setup.logit_chunk)
     idx = torch.tensor(keep, device=latents.device)
     nll_own = losses.per_sequence_mean(-t_tok, sb.mask)[idx]
     nll_other = losses.per_sequence_mean(-other, sb.mask)[idx]
@@ -513,7 +532,24 @@ def step_setup(tr: Trainer, rows: list[bool] | None = None, composer_totals: Bat
         success_threshold=tr.recipe.eval.success_threshold,
         composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
         privilege_gate=t.distill.privilege_gate, composer_micro_batch=t.lopd.composer_micro_batch,
+        teacher_model=tr.teacher, teacher_live=t.teacher == "live", composer_leaves=composer_leaves(tr),
     )
+
+
+def composer_leaves(tr: Trainer) -> Callable[[], list] | None:
+    """φ's parameters, for a composer backward that must reach nothing else: when the student's
+    weights are in the composer pass's graph (a live teacher; a full student, whose encoder ψ
+    reads its own base). None where they are not (a LoRA student's frozen teacher)."""
+    from lopd_cli.models import adapters as ad
+
+    if not tr.trains_composer or (tr.recipe.model.student != "full" and tr.recipe.train.teacher != "live"):
+        return None
+
+    def leaves() -> list:
+        psi = [p for p in ad.adapter_parameters(tr.model, ad.ENCODER) if p.requires_grad]
+        return psi + [p for p in tr.composer.parameters() if p.requires_grad]
+
+    return leaves
 
 
 def step_metrics(o: StepOutcome, tr: Trainer) -> dict:
