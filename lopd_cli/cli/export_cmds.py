@@ -52,7 +52,8 @@ def export(
             f"  check: max |logit difference| to backbone + adapter = {result.max_abs_logit_diff:.2e} "
             f"on {result.prompts_checked} prompts (allowed {result.tolerance:.2e})", highlight=False,
         )
-        console.print(f"  load: AutoModelForCausalLM.from_pretrained({result.out!r})  ·  serve: vllm serve {result.out}", highlight=False)
+        console.print(f"  load: AutoModelForCausalLM.from_pretrained({result.out!r})  ·  serve: vllm serve {result.out} "
+                      "--enable-auto-tool-choice --tool-call-parser hermes (docs/serving.md)", highlight=False)
     else:
         console.print(f"  load: PeftModel.from_pretrained(base, {result.out!r})", highlight=False)
 
