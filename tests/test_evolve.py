@@ -125,7 +125,7 @@ def test_round_adds_episodes_with_provenance_budget_stops_and_auto_says_why(temp
     assert (run / "incumbent").resolve() == (run / state["incumbent"]["checkpoint"]).resolve()
     r = lopd("eval", "-C", proj.root, "--recipe", "toolcall", "--checkpoint", run, "-n", "2", "--split", "validation", "--json")
     assert r.code == 0, r
-    assert "train-sft/step_2 (sft)" in json.loads(r.out)["models"][0]["label"]
+    assert json.loads(r.out)["models"][0]["label"] == "ev incumbent (train-sft/step_2 (sft))"
     r = lopd("export", "-C", proj.root, run, "--merge-lora", "-o", tmp_path / "merged", "--json")
     assert r.code == 0, r
     assert json.loads(r.out)["step"] == 2

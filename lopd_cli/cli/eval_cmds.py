@@ -99,7 +99,10 @@ def eval_cmd(
         if info.backbone != r.model.backbone:
             err_console.print(f"[yellow]note[/yellow]: {info.path} was trained on '{info.backbone}', the recipe names '{r.model.backbone}'")
         run = info.run_dir.name if info.run_dir else info.path.parent.name
-        loaders.append((f"{run}/step_{info.step} ({info.algo})",
+        label = f"{run}/step_{info.step} ({info.algo})"
+        if (Path(spec) / "evolve.json").exists():  # an evolve run: its incumbent, named after the run
+            label = f"{Path(spec).resolve().name} incumbent ({label})"
+        loaders.append((label,
                         lambda info=info: load_student(info, r.model.dtype, r.model.device, search)))
     for spec in model or []:
         loaders.append((Path(spec).name or spec, lambda spec=spec: load_backbone(spec, r.model.dtype, r.model.device, search)))
