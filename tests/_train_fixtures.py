@@ -65,3 +65,23 @@ def numeric(row: dict) -> dict:
     """A metrics row without timing, throughput and memory readings (they vary run to run)."""
     skip = ("sec_", "tokens_per_s", "peak_memory")
     return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not k.startswith(skip) and not any(s in k for s in skip)}
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The child processes of `pid` (torchrun's workers live in sessions of their own, so a
+    kill of torchrun's group does not reach them: the tests check they end anyway)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def is_alive(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

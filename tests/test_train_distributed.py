@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _train_fixtures import build_project, numeric
+from _train_fixtures import build_project, is_alive, numeric, worker_pids
 from lopd_cli.train.distributed import shard_range
 from lopd_cli.train.metrics import read_metrics
 
@@ -109,21 +109,6 @@ def test_two_gloo_processes_match_one_process(project, single):
     assert "written by 2 process(es), this run has 1" in res.stderr
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
@@ -135,7 +120,7 @@ def test_killed_two_process_run_resumes(project, single):
     while not (ckdir / "step_1").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     # The whole job dies at once: torchrun and its workers (each in a session of its own).
-    workers = _children(proc.pid)
+    workers = worker_pids(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
     for w in workers:
         try:
@@ -144,9 +129,9 @@ def test_killed_two_process_run_resumes(project, single):
             pass
     proc.wait()
     end = time.time() + 30
-    while any(_alive(w) for w in workers) and time.time() < end:
+    while any(is_alive(w) for w in workers) and time.time() < end:
         time.sleep(0.1)
-    assert workers and not any(_alive(w) for w in workers)
+    assert workers and not any(is_alive(w) for w in workers)
     assert (ckdir / "step_1").exists()
     assert not (ckdir / "step_3").exists(), "killed too late to test a resume"
 

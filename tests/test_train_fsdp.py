@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _train_fixtures import build_project, numeric
+from _train_fixtures import build_project, is_alive, numeric, worker_pids
 from lopd_cli.train.metrics import read_metrics
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -218,21 +218,6 @@ def test_two_fsdp_processes_match_one_process(runs, student):
     assert state["student_opt"] is None and state["sharded_optimizers"] == ["composer_opt", "student_opt"]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
@@ -244,7 +229,7 @@ def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_run(project, runs):
     deadline = time.time() + 600
     while not (ckdir / "step_1").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    workers = _children(proc.pid)  # torchrun's workers live in sessions of their own
+    workers = worker_pids(proc.pid)  # torchrun's workers live in sessions of their own
     os.killpg(proc.pid, signal.SIGKILL)
     for w in workers:
         try:
@@ -253,9 +238,9 @@ def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_run(project, runs):
             pass
     proc.wait()
     end = time.time() + 30
-    while any(_alive(w) for w in workers) and time.time() < end:
+    while any(is_alive(w) for w in workers) and time.time() < end:
         time.sleep(0.1)
-    assert workers and not any(_alive(w) for w in workers)
+    assert workers and not any(is_alive(w) for w in workers)
     assert (ckdir / "step_1").exists() and not (ckdir / "step_2").exists(), "killed too late to test a resume"
 
     _check(_train_cmd(project, "killed", sets, nproc=2, resume=True))
