@@ -62,3 +62,13 @@ def test_activation_checkpointing_through_the_recipe_gives_the_same_step(project
     assert a.keys() == b.keys()
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.parametrize("algo", ["grpo", "opsd", "sft"])
+def test_the_baselines_give_the_same_step_with_activation_checkpointing(project, algo):
+    _, off = _run(project, f"{algo}-ckpt-off", ["train.steps=1", f"train.algo={algo}"])
+    _, on = _run(project, f"{algo}-ckpt-on", ["train.steps=1", f"train.algo={algo}", "train.activation_checkpointing=true"])
+    a, b = numeric(off[0]), numeric(on[0])
+    assert a.keys() == b.keys() and "loss" in a
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k

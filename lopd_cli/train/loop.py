@@ -200,16 +200,24 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
         rng = ckpt.rng_state()  # loading the copy must not shift what the run samples
         tr.teacher = load_teacher_copy(backbone, recipe, search)
         ckpt.set_rng_state(rng)
-    if t.activation_checkpointing:  # after every adapter (the anchor's encoder0 too): the recompute replays them
-        from lopd_cli.models.activation_checkpointing import enable_activation_checkpointing
-
-        enable_activation_checkpointing(model)
-        if tr.teacher is not None:  # a full student's teacher copy: its composer pass keeps a graph too
-            enable_activation_checkpointing(tr.teacher)
-            # transformers recomputes a layer only in training mode; the copy is only read in
-            # training steps (a LoRA student's teacher, the same model, is in training mode there too)
-            tr.teacher.train()
+    apply_activation_checkpointing(tr)
     return tr
+
+
+def apply_activation_checkpointing(tr: Trainer) -> None:
+    """`train.activation_checkpointing`: checkpoint the decoder layers of the backbone and of a
+    full student's teacher copy (its composer pass keeps a graph too). Call it after every adapter
+    is attached (the anchor's encoder0 too): the recompute replays them."""
+    if not tr.recipe.train.activation_checkpointing:
+        return
+    from lopd_cli.models.activation_checkpointing import enable_activation_checkpointing
+
+    enable_activation_checkpointing(tr.model)
+    if tr.teacher is not None:
+        enable_activation_checkpointing(tr.teacher)
+        # transformers recomputes a layer only in training mode; the copy is only read in training
+        # steps (a LoRA student's teacher, the same model, is in training mode there too)
+        tr.teacher.train()
 
 
 def teacher_copy_needed(recipe: Recipe) -> bool:
