@@ -13,7 +13,7 @@ Two things are particular to lopd:
    has been left. Each checkpointed call therefore records the peft LoRA layers' state (active
    adapter, adapters disabled) and replays it around its recompute; without that the recompute of
    a teacher layer would run with the student adapter on.
-2. The shared prefix (models/latent.py `decoder_hidden`): the prompt prefix every row shares runs
+2. The shared prefix (compose/latent.py `decoder_hidden`): the prompt prefix every row shares runs
    once, on one row, and its key/value cache is repeated for the others. transformers drops a
    cache under checkpointing, because the recompute would append to it a second time.
    `prefix_pass` gives the layers caches that a recompute can replay (`ReplayLayer`: a fixed

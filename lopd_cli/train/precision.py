@@ -3,7 +3,7 @@
 `model.autocast_bf16` chooses it: "auto" (the default) runs the forward and backward passes
 under bf16 autocast where the device has fast bf16 (a CUDA device that supports it) and in fp32
 everywhere else, the CPU included (most CPUs have no fast bf16 matmul; `runtime.cpu_has_fast_bf16`
-and benchmarks/RESULTS.md, "bf16 on CPU"); true or false force it. Whatever the compute dtype:
+and benchmarks/bf16_cpu.py); true or false force it. Whatever the compute dtype:
 
 - master weights, gradients and optimiser states stay in `model.dtype` (float32 by default);
 - the reductions are fp32: every log-softmax, top-M + tail, KL and loss in train/losses.py casts
