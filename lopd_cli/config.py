@@ -41,8 +41,9 @@ class ModelSection(Section):
         description="The LLM: an embedded name (tiny, smollm2-135m-instruct), a transformers directory, or a hub id.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype the backbone's weights are loaded in.")
-    autocast_bf16: bool = Field(
-        False, description="bf16 autocast for forward/backward passes, with fp32 master weights.")
+    autocast_bf16: bool | Literal["auto"] = Field(
+        "auto",
+        description="bf16 autocast of the training passes (fp32 master weights and losses): auto = on CUDA with bf16, off on CPU.")
     student: Literal["lora", "full"] = Field(
         "lora",
         description="What training updates: a LoRA adapter (the teacher is the backbone with it off) or every weight.")
@@ -218,6 +219,9 @@ class TrainSection(Section):
     seed: int = Field(0, description="Seed of the run: task order, rollouts, the composer rows' draw.")
     micro_batch: int = Field(
         8, ge=1, description="Sequences per forward/backward chunk (memory only; gradients accumulate).")
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer in the backward of every pass with gradient: less memory, ~1 more forward.")
     logit_chunk: int = Field(1024, ge=1, description="Token positions per chunk when reading logits (memory only).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip of the student (and of the composer, LOPD).")
     save_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the last).")

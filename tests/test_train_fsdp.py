@@ -1,7 +1,7 @@
 """`train.parallel: fsdp` (train/sharding.py) and the explicit teacher (`train.teacher`).
 
 Sharded: 2 gloo processes under torchrun give the losses and updated weights of 1 process, for a
-LoRA and a full student; a SIGKILLed sharded run resumes to what an uninterrupted one gives;
+LoRA and a full student (and with activation checkpointing on); a SIGKILLed sharded run resumes to what an uninterrupted one gives;
 `lopd export --merge-lora` turns a sharded checkpoint into a plain transformers model.
 Teacher: a full student's teacher is a frozen copy (base or init) or the student itself (live);
 a LoRA student's live teacher reads its adapter; the composer objective never trains θ."""
@@ -217,6 +217,18 @@ def test_two_fsdp_processes_match_one_process(runs, student):
     state = torch.load(latest / "state.pt", weights_only=False)
     assert state["student_opt"] is None and state["sharded_optimizers"] == ["composer_opt", "student_opt"]
 
+
+@pytest.mark.slow
+def test_fsdp_with_activation_checkpointing_matches_one_process(project, runs):
+    """train.activation_checkpointing under FSDP, full student (student pass, the encoder over its
+    own base and the sharded teacher copy all recompute): the 1-process run without it."""
+    one = runs("full") / "one-full"
+    sets = ["model.student=full", "train.steps=2", "train.activation_checkpointing=true", *FSDP]
+    _check(_train_cmd(project, "fsdp-full-ckpt", sets, nproc=2))
+    two = project.runs_dir / "fsdp-full-ckpt"
+    assert _max_metric_diff(read_metrics(one), read_metrics(two)) <= TOL
+    for step in ("step_1", "step_2"):
+        assert _max_weight_diff(one / "checkpoints" / step, two / "checkpoints" / step) <= TOL
 
 
 

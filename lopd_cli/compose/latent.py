@@ -204,11 +204,17 @@ def decoder_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
     attention: a prefix position sees only the prefix); gradients reach whatever the prefix
     depends on through the repeated cache (summed over rows, as in the full pass). Right padding.
     A prefix shorter than `min_prefix` (default `MIN_SHARED_PREFIX`) gets one full pass."""
+    from lopd_cli.models import activation_checkpointing as ac
+
     B = input_ids.shape[0]
-    # Activation checkpointing would re-run the suffix's cache update in backward: one full pass then.
-    recompute = getattr(decoder, "gradient_checkpointing", False) and torch.is_grad_enabled()
-    P = shared_prefix_len(input_ids, attention_mask, latent_mask) if B > 1 and not recompute else 0
-    if P < (MIN_SHARED_PREFIX if min_prefix is None else min_prefix):
+    P = shared_prefix_len(input_ids, attention_mask, latent_mask) if B > 1 else 0
+    full = P < (MIN_SHARED_PREFIX if min_prefix is None else min_prefix)
+    if not full and ac.recomputes(decoder):  # checkpointed layers: caches that a recompute can replay
+        out = ac.prefix_pass(decoder, input_ids, attention_mask, inputs_embeds, P, _cache_kwarg(type(decoder)))
+        if out is not None:
+            return out
+        full = True
+    if full:
         kw = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": input_ids}
         return decoder(**kw, attention_mask=attention_mask, use_cache=False).last_hidden_state
     # The prefix is read from the token ids (no latent lies in it), so when only the latents need

@@ -50,6 +50,7 @@ from lopd_cli.train.batch import BatchTotals, batch_totals
 from lopd_cli.train.grpo import GrpoSetup, grpo_update
 from lopd_cli.train.metrics import MetricsLog, peak_memory_mb
 from lopd_cli.train.optim import _grad_norm, _student_params, _sum_gradients
+from lopd_cli.train.precision import model_device, resolve_autocast
 from lopd_cli.train.sampler import TaskSampler
 from lopd_cli.train.step import NoGradLatents, dual_step, rollout_phase, step_metrics, trainer_step
 
@@ -97,6 +98,11 @@ class Trainer:
     @property
     def algo(self) -> str:
         return self.recipe.train.algo
+
+    @property
+    def autocast(self) -> bool:
+        """bf16 autocast for the training passes: `model.autocast_bf16` resolved on the model's device."""
+        return resolve_autocast(self.recipe.model.autocast_bf16, model_device(self.model))
 
     @property
     def trains_composer(self) -> bool:
@@ -159,8 +165,8 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
     search = [recipe.base_dir, project.root]
     backbone = str(init_teacher_backbone(project, recipe, run_dir)) if t.teacher == "init" else recipe.model.backbone
     model, tok = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search)
-    if recipe.model.autocast_bf16:
-        warn_if_slow_bf16("model.autocast_bf16=true", str(next(model.parameters()).device))
+    if resolve_autocast(recipe.model.autocast_bf16, model_device(model)):
+        warn_if_slow_bf16("model.autocast_bf16=true", model_device(model))
     model = ad.attach_adapters(model, recipe)
     trainable = [ad.BASE if recipe.model.student == "full" else ad.STUDENT]
     if t.algo == "lopd" and not t.lopd.freeze_composer:
@@ -194,7 +200,24 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
         rng = ckpt.rng_state()  # loading the copy must not shift what the run samples
         tr.teacher = load_teacher_copy(backbone, recipe, search)
         ckpt.set_rng_state(rng)
+    apply_activation_checkpointing(tr)
     return tr
+
+
+def apply_activation_checkpointing(tr: Trainer) -> None:
+    """`train.activation_checkpointing`: checkpoint the decoder layers of the backbone and of a
+    full student's teacher copy (its composer pass keeps a graph too). Call it after every adapter
+    is attached (the anchor's encoder0 too): the recompute replays them."""
+    if not tr.recipe.train.activation_checkpointing:
+        return
+    from lopd_cli.models.activation_checkpointing import enable_activation_checkpointing
+
+    enable_activation_checkpointing(tr.model)
+    if tr.teacher is not None:
+        enable_activation_checkpointing(tr.teacher)
+        # transformers recomputes a layer only in training mode; the copy is only read in training
+        # steps (a LoRA student's teacher, the same model, is in training mode there too)
+        tr.teacher.train()
 
 
 def teacher_copy_needed(recipe: Recipe) -> bool:
@@ -360,7 +383,7 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
     t0 = time.perf_counter()
     if tr.algo == "grpo":
         setup = GrpoSetup(tr.model, tr.tokenizer, tr.recipe.rollout.temperature, t.grpo.clip_eps, t.grpo.kl_coef,
-                          t.micro_batch, t.logit_chunk, tr.recipe.model.autocast_bf16)
+                          t.micro_batch, t.logit_chunk, tr.autocast)
         o = grpo_update(setup, episodes, group_ids, totals)
         if dist.is_distributed():
             red = dist.all_reduce_sum({"loss": o.loss, "clip_fraction": o.clip_fraction, "kl_ref": o.kl_ref,

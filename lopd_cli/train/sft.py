@@ -133,7 +133,7 @@ def nll_update(tr: "Trainer", local: list[Episode], total_tokens: int) -> tuple[
         sb = collate(local[lo: lo + t.micro_batch], pad, device)
         if sb.n_tokens == 0:
             continue
-        with use_student(model), torch.autocast(device.type, torch.bfloat16, enabled=tr.recipe.model.autocast_bf16):
+        with use_student(model), torch.autocast(device.type, torch.bfloat16, enabled=tr.autocast):
             lp = losses.chunked_token_logprobs(student_hidden(model, sb), head, sb.targets, mask=sb.mask,
                                                chunk_size=t.logit_chunk)
         part = -(lp * sb.mask).sum() / max(1, total_tokens)

@@ -527,7 +527,7 @@ def step_setup(tr: Trainer, rows: list[bool] | None = None, composer_totals: Bat
         tr.model, tr.tokenizer, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, t.micro_batch, t.logit_chunk,
         composer=tr.composer, train_composer=tr.trains_composer, latents0=tr.latents0,
         text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else None,
-        autocast=tr.recipe.model.autocast_bf16, margin_advantage=t.lopd.margin_advantage,
+        autocast=tr.autocast, margin_advantage=t.lopd.margin_advantage,
         contrastive_weight=t.lopd.contrastive_weight, contrastive_margin=t.lopd.contrastive_margin,
         success_threshold=tr.recipe.eval.success_threshold,
         composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
