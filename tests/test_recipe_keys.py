@@ -233,3 +233,18 @@ def test_explained_defaults_are_the_values_a_recipe_gets():
             node = getattr(node, "cls" if part == "class" else part)
         assert info.default == _yaml_value(node), info.key
     assert next(i for i in recipe_keys() if i.key == "composer.encoder_lora.r").default == "8"
+
+
+@pytest.mark.parametrize("width", [80, 140])
+def test_explain_reads_whole_descriptions_on_a_narrow_terminal(lopd, tmp_path, monkeypatch, width):
+    """Below 110 columns a table would squeeze the description to a word per line: a list instead."""
+    from lopd_cli.cli import common
+
+    monkeypatch.setattr(common.console, "width", width)
+    r = lopd("recipe", "explain", "evolve", cwd=tmp_path)
+    assert r.code == 0, r
+    assert ("┃ key" in r.out) == (width >= 110)
+    if width < 110:  # every description whole, each under its key
+        flat = " ".join(r.out.split())
+        for key in ("evolve.rounds", "evolve.samples_per_task", "evolve.refresh_composer"):
+            assert f"{key} " in flat and LEAVES[key].description in flat

@@ -7,11 +7,14 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
 from lopd_cli.cli.common import DebugOpt, JsonOpt, ProjectOpt, SetOpt, console, print_json
 from lopd_cli.errors import LopdError
+
+NARROW_COLUMNS = 110  # below this `recipe explain` prints a list, not a table
 
 
 def init(
@@ -109,6 +112,14 @@ def recipe_explain(
     if as_json:
         print_json([{"key": i.key, "type": i.type, "default": i.default, "description": i.description}
                     for i in infos if not i.is_section])
+        return
+    if console.width < NARROW_COLUMNS:  # a table's description column would be a word wide
+        for i in infos:
+            head = Text(i.key, style="bold dim" if i.is_section else "bold")
+            if not i.is_section:
+                head.append(f"  {i.type}  ").append(i.default, style="cyan")
+            console.print(head)
+            console.print(Padding(Text(i.description), (0, 0, 0, 4)))
         return
     table = Table(title=f"recipe keys: {key}" if key else "recipe keys")
     for col, style in (("key", "bold"), ("type", None), ("default", "cyan")):
