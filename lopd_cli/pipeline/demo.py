@@ -44,7 +44,7 @@ DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=40", "coldstart.eval_every=40",
 # those rollouts): that candidate is SFT's single pass. Each later round rolls out the incumbent,
 # adds the episodes to the bank and trains the incumbent further on the grown bank; the gate keeps
 # the better one on the validation tasks.
-EVOLVE_OVERRIDES = ["evolve.rounds=3", "evolve.start=incumbent", "evolve.steps=48", "evolve.tasks_per_round=256",
+EVOLVE_OVERRIDES = ["evolve.rounds=5", "evolve.start=incumbent", "evolve.steps=48", "evolve.tasks_per_round=256",
                     "evolve.samples_per_task=1", "train.sft.batch=32", "rollout.batch_size=32"]
 AGENT_LOGS = 96  # of training tasks; plus one log per validation task (the check's held-out successes)
 DEMO_MARKER = ".lopd-demo"
