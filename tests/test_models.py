@@ -116,3 +116,25 @@ def test_loading_bf16_warns_when_bf16_is_slow_here(monkeypatch, fast):
         load_backbone("tiny", "float32", "cpu")
     assert not [w for w in seen if issubclass(w.category, LopdWarning)]
 
+
+
+def test_building_an_embedded_model_on_first_use_keeps_the_random_streams(tmp_path, monkeypatch):
+    """A seeded run on an empty cache (the tiny backbone is built then, with a random init) draws
+    the same random numbers afterwards as the same run on a warm cache."""
+    import random
+
+    import numpy as np
+
+    monkeypatch.setenv("LOPD_CACHE", str(tmp_path / "cache"))
+
+    def draws(build: bool):
+        torch.manual_seed(3), random.seed(3), np.random.seed(3)
+        if build:
+            materialise_backbone("tiny")
+        return torch.rand(4), random.random(), float(np.random.rand())
+
+    assert not (tmp_path / "cache" / "models" / "tiny").exists()
+    cold = draws(build=True)
+    assert (tmp_path / "cache" / "models" / "tiny" / "config.json").exists()
+    warm = draws(build=False)
+    assert torch.equal(cold[0], warm[0]) and cold[1:] == warm[1:]

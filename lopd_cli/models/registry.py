@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import random
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -97,6 +99,23 @@ def materialise_backbone(name: str) -> Path:
     return build_once(out, entry.build)
 
 
+@contextlib.contextmanager
+def preserved_rng():
+    """Restore Python's, NumPy's and torch's global random states afterwards: building a model
+    (random init of the tiny backbone) on first use would otherwise draw from the streams a
+    seeded run goes on to use, and that run would differ from the same run with a warm cache."""
+    import numpy as np
+    import torch
+
+    states = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+
+
 def build_once(out: Path, build: Callable[[Path], object]) -> Path:
     """Build a model directory into `out` unless it is there: in a temporary folder, renamed
     at the end, so a crash or a concurrent build never leaves a half-written model behind."""
@@ -105,7 +124,8 @@ def build_once(out: Path, build: Callable[[Path], object]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        build(tmp)
+        with preserved_rng():  # a first use must not shift a seeded run's random streams
+            build(tmp)
         try:
             tmp.rename(out)
         except OSError:
