@@ -308,3 +308,28 @@ def test_patience_and_rounds_stop_a_run(template):
     run.state["rollouts_total"] = 15  # + 6 > 20
     assert _stop_reason(run, envf, 3).startswith("evolve.rollout_budget: round 3 would spend 6 rollouts, 15 of 20")
     assert _stop_reason(run, envf, 5) == "4 round(s) done"
+
+
+@pytest.mark.slow
+def test_the_study_script_runs_end_to_end(template, tmp_path):
+    """benchmarks/evolve_study.py in its smallest form: one method, two seeds, a budget of two
+    rounds; every round's student scored on test, the table, the JSON and the plot written."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "study"
+    cmd = [sys.executable, str(repo / "benchmarks" / "evolve_study.py"), "--project", str(template.root),
+           "--out", str(out), "--methods", "sft", "--seeds", "0", "1", "--budget", "12", "-n", "2", "--jobs", "1",
+           *(a for s in SMALL for a in ("--set", s))]
+    env = {**os.environ, "LOPD_THREADS": "1", "PYTHONPATH": str(repo)}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads((out / "study.json").read_text())
+    assert [(r["method"], r["seed"]) for r in data["runs"]] == [("sft", 0), ("sft", 1)]
+    for run in data["runs"]:  # 6 rollouts a round: two rounds in a budget of 12, each scored on 2 test tasks
+        assert [p["rollouts_total"] for p in run["points"]] == [6, 12]
+        assert all(p["test"]["n"] == 2 and p["incumbent_test"] is not None for p in run["points"])
+        assert "evolve.rollout_budget" in run["stopped"]
+    assert {row["vs_sft_pass"]["n"] for row in data["summary"]} == {2}
+    assert (out / "study.png").stat().st_size > 0 and "| **sft** | mean ± sd |" in (out / "study.md").read_text()
