@@ -85,3 +85,40 @@ def is_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def kill_torchrun_after_first_checkpoint(cmd: list[str], env: dict, ckdir: Path) -> None:
+    """Start `cmd` (a torchrun job), wait until it writes `ckdir/step_1`, then kill the whole job
+    with SIGKILL at once: torchrun and its workers (each in a session of its own). Asserts that
+    every worker is gone."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while not (ckdir / "step_1").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    workers = worker_pids(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for w in workers:
+        try:
+            os.killpg(w, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    end = time.time() + 30
+    while any(is_alive(w) for w in workers) and time.time() < end:
+        time.sleep(0.1)
+    assert workers and not any(is_alive(w) for w in workers)
+
+
+def train_run(project, name: str, overrides: list[str]):
+    """`lopd train --recipe toolcall --set ...` in-process into runs/NAME: (result, metrics rows)."""
+    from lopd_cli.train.loop import train
+    from lopd_cli.train.metrics import read_metrics
+
+    recipe = project.load_recipe("toolcall", overrides)
+    return train(project, recipe, project.runs_dir / name), read_metrics(project.runs_dir / name)

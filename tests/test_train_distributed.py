@@ -4,15 +4,13 @@ the runner samples a rank's share exactly as one process would."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from _train_fixtures import build_project, is_alive, numeric, worker_pids
+from _train_fixtures import build_project, kill_torchrun_after_first_checkpoint, numeric
 from lopd_cli.train.distributed import shard_range
 from lopd_cli.train.metrics import read_metrics
 
@@ -113,25 +111,8 @@ def test_two_gloo_processes_match_one_process(project, single):
 
 @pytest.mark.slow
 def test_killed_two_process_run_resumes(project, single):
-    proc = subprocess.Popen(_train_cmd(project, "--run-name", "killed", nproc=2), env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckdir = project.runs_dir / "killed" / "checkpoints"
-    deadline = time.time() + 600
-    while not (ckdir / "step_1").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    # The whole job dies at once: torchrun and its workers (each in a session of its own).
-    workers = worker_pids(proc.pid)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for w in workers:
-        try:
-            os.killpg(w, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    end = time.time() + 30
-    while any(is_alive(w) for w in workers) and time.time() < end:
-        time.sleep(0.1)
-    assert workers and not any(is_alive(w) for w in workers)
+    kill_torchrun_after_first_checkpoint(_train_cmd(project, "--run-name", "killed", nproc=2), _env(), ckdir)
     assert (ckdir / "step_1").exists()
     assert not (ckdir / "step_3").exists(), "killed too late to test a resume"
 

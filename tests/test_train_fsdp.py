@@ -8,16 +8,14 @@ a LoRA student's live teacher reads its adapter; the composer objective never tr
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from _train_fixtures import build_project, is_alive, numeric, worker_pids
+from _train_fixtures import build_project, kill_torchrun_after_first_checkpoint, numeric
 from lopd_cli.train.metrics import read_metrics
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -231,28 +229,11 @@ def test_fsdp_with_activation_checkpointing_matches_one_process(project, runs):
         assert _max_weight_diff(one / "checkpoints" / step, two / "checkpoints" / step) <= TOL
 
 
-
 @pytest.mark.slow
 def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_run(project, runs):
     sets = ["model.student=full", "train.steps=2", *FSDP]
-    proc = subprocess.Popen(_train_cmd(project, "killed", sets, nproc=2), env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckdir = project.runs_dir / "killed" / "checkpoints"
-    deadline = time.time() + 600
-    while not (ckdir / "step_1").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    workers = worker_pids(proc.pid)  # torchrun's workers live in sessions of their own
-    os.killpg(proc.pid, signal.SIGKILL)
-    for w in workers:
-        try:
-            os.killpg(w, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    end = time.time() + 30
-    while any(is_alive(w) for w in workers) and time.time() < end:
-        time.sleep(0.1)
-    assert workers and not any(is_alive(w) for w in workers)
+    kill_torchrun_after_first_checkpoint(_train_cmd(project, "killed", sets, nproc=2), _env(), ckdir)
     assert (ckdir / "step_1").exists() and not (ckdir / "step_2").exists(), "killed too late to test a resume"
 
     _check(_train_cmd(project, "killed", sets, nproc=2, resume=True))

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from _train_fixtures import build_project, numeric
+from _train_fixtures import build_project, numeric, train_run
 from lopd_cli.errors import LopdError
 from lopd_cli.train.metrics import read_metrics
 
@@ -19,13 +19,6 @@ from lopd_cli.train.metrics import read_metrics
 def project(tmp_path_factory):
     """A tiny project with a bank of (noisy) oracle rollouts, its index and a cold-start composer."""
     return build_project(tmp_path_factory.mktemp("proj"))
-
-
-def _run(project, name: str, overrides: list[str]):
-    from lopd_cli.train.loop import train
-
-    recipe = project.load_recipe("toolcall", overrides)
-    return train(project, recipe, project.runs_dir / name), read_metrics(project.runs_dir / name)
 
 
 def _composer_tensors(run_dir):
@@ -61,7 +54,7 @@ def test_coldstart_is_reproducible_from_its_seed(project):
 
 
 def test_lopd_steps_update_student_and_composer(project):
-    tr, rows = _run(project, "lopd-a", [])
+    tr, rows = train_run(project, "lopd-a", [])
     assert [r["step"] for r in rows] == [1, 2]
     # every rollout counts: the 24 lopd-generated bank rows, then 4 per step
     assert [r["rollouts_total"] for r in rows] == [28, 32]
@@ -81,7 +74,7 @@ def test_lopd_steps_update_student_and_composer(project):
 
 
 def test_frozen_composer_does_not_change(project):
-    tr, rows = _run(project, "lopd-frozen", ["train.lopd.freeze_composer=true"])
+    tr, rows = train_run(project, "lopd-frozen", ["train.lopd.freeze_composer=true"])
     from safetensors.torch import load_file
 
     before = load_file(str(project.runs_dir / "coldstart" / "composer" / "qformer.safetensors"))
@@ -93,7 +86,7 @@ def test_frozen_composer_does_not_change(project):
 def test_composer_batch_and_every(project):
     """φ on 2 of the 4 rows on step 1 and not at all on step 2 (composer_every 2): no composer
     gradient, no warm-up or β step there; the student trains on every step."""
-    tr, rows = _run(project, "lopd-share", ["train.lopd.composer_batch=2", "train.lopd.composer_every=2"])
+    tr, rows = train_run(project, "lopd-share", ["train.lopd.composer_batch=2", "train.lopd.composer_every=2"])
     assert [r["composer_rows"] for r in rows] == [2, 0]
     assert rows[0]["grad_norm_composer"] > 0 and rows[1]["grad_norm_composer"] is None
     assert rows[1]["beta"] == rows[0]["beta"]
@@ -104,7 +97,7 @@ def test_composer_batch_and_every(project):
 
 @pytest.mark.parametrize("algo", ["grpo", "opsd"])
 def test_baselines_run_in_the_same_loop(project, algo):
-    tr, rows = _run(project, f"{algo}-a", [f"train.algo={algo}"])
+    tr, rows = train_run(project, f"{algo}-a", [f"train.algo={algo}"])
     assert [r["algo"] for r in rows] == [algo, algo]
     assert rows[-1]["rollouts_total"] == (8 if algo == "grpo" else 32)
     assert "beta" not in rows[-1]
@@ -112,10 +105,10 @@ def test_baselines_run_in_the_same_loop(project, algo):
 
 
 def test_beta_rises_below_margin_and_stays_zero_above(project):
-    _, high = _run(project, "beta-high", ["train.lopd.margin_m=10.0", "train.steps=3"])
+    _, high = train_run(project, "beta-high", ["train.lopd.margin_m=10.0", "train.steps=3"])
     betas = [r["beta"] for r in high]
     assert betas[0] > 0 and betas == sorted(betas) and betas[-1] > betas[0], betas
-    _, low = _run(project, "beta-low", ["train.lopd.margin_m=-10.0", "train.lopd.beta0=1.0", "train.steps=2"])
+    _, low = train_run(project, "beta-low", ["train.lopd.margin_m=-10.0", "train.lopd.beta0=1.0", "train.steps=2"])
     assert [r["beta"] for r in low] == [0.0, 0.0], "β falls to 0 (clamped) when Δ > m"
 
 
@@ -124,7 +117,7 @@ def test_composer_health_at_every_eval_and_collapse_warning(project):
 
     # a threshold no composer reaches: the collapse warning must fire at each eval
     with pytest.warns(LopdWarning, match="collapsed into a fixed prompt"):
-        _, rows = _run(project, "health", ["train.eval_every=1", "train.eval_n=2", "train.lopd.health_n=4",
+        _, rows = train_run(project, "health", ["train.eval_every=1", "train.eval_n=2", "train.lopd.health_n=4",
                                            "train.lopd.min_task_spread=1e6"])
     for r in rows:
         assert 0 < r["composer/latent_task_spread"] < 10
@@ -135,14 +128,14 @@ def test_composer_health_at_every_eval_and_collapse_warning(project):
 
 
 def test_paper_margin_form_still_runs(project):
-    _, rows = _run(project, "paper-margin", ["train.lopd.margin_advantage=paper", "train.steps=1"])
+    _, rows = train_run(project, "paper-margin", ["train.lopd.margin_advantage=paper", "train.steps=1"])
     assert rows[0]["margin_defined"] is True and isinstance(rows[0]["delta"], float)
 
 
 def test_rerun_into_existing_folder_is_refused(project):
-    _run(project, "once", ["train.steps=1", "train.algo=grpo"])
+    train_run(project, "once", ["train.steps=1", "train.algo=grpo"])
     with pytest.raises(LopdError, match="already holds a run"):
-        _run(project, "once", ["train.steps=1", "train.algo=grpo"])
+        train_run(project, "once", ["train.steps=1", "train.algo=grpo"])
 
 
 def test_exact_resume_after_sigkill(project):

@@ -4,21 +4,13 @@ device has fast bf16; `train.activation_checkpointing: true` gives the same step
 
 import pytest
 
-from _train_fixtures import build_project, numeric
+from _train_fixtures import build_project, numeric, train_run
 from lopd_cli.errors import LopdError
-from lopd_cli.train.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     return build_project(tmp_path_factory.mktemp("proj"))
-
-
-def _run(project, name: str, overrides: list[str]):
-    from lopd_cli.train.loop import train
-
-    recipe = project.load_recipe("toolcall", overrides)
-    return train(project, recipe, project.runs_dir / name), read_metrics(project.runs_dir / name)
 
 
 def test_auto_resolves_by_device():
@@ -45,8 +37,8 @@ def test_recipes_old_and_new_load():
 
 
 def test_auto_is_fp32_here_and_the_same_run_as_false(project):
-    tr_auto, auto = _run(project, "prec-auto", [])
-    tr_false, false = _run(project, "prec-false", ["model.autocast_bf16=false"])
+    tr_auto, auto = train_run(project, "prec-auto", [])
+    tr_false, false = train_run(project, "prec-false", ["model.autocast_bf16=false"])
     assert tr_auto.recipe.model.autocast_bf16 == "auto" and tr_auto.autocast is False
     assert [numeric(r) for r in auto] == [numeric(r) for r in false]  # bit for bit
     assert auto[-1]["kl"] is not None and auto[-1]["grad_norm_student"] > 0
@@ -55,8 +47,8 @@ def test_auto_is_fp32_here_and_the_same_run_as_false(project):
 def test_activation_checkpointing_through_the_recipe_gives_the_same_step(project):
     from lopd_cli.models.activation_checkpointing import is_enabled
 
-    tr_off, off = _run(project, "ckpt-off", ["train.steps=1"])
-    tr_on, on = _run(project, "ckpt-on", ["train.steps=1", "train.activation_checkpointing=true"])
+    tr_off, off = train_run(project, "ckpt-off", ["train.steps=1"])
+    tr_on, on = train_run(project, "ckpt-on", ["train.steps=1", "train.activation_checkpointing=true"])
     assert is_enabled(tr_on.model) and not is_enabled(tr_off.model)
     a, b = numeric(off[0]), numeric(on[0])
     assert a.keys() == b.keys()
@@ -66,8 +58,8 @@ def test_activation_checkpointing_through_the_recipe_gives_the_same_step(project
 
 @pytest.mark.parametrize("algo", ["grpo", "opsd", "sft"])
 def test_the_baselines_give_the_same_step_with_activation_checkpointing(project, algo):
-    _, off = _run(project, f"{algo}-ckpt-off", ["train.steps=1", f"train.algo={algo}"])
-    _, on = _run(project, f"{algo}-ckpt-on", ["train.steps=1", f"train.algo={algo}", "train.activation_checkpointing=true"])
+    _, off = train_run(project, f"{algo}-ckpt-off", ["train.steps=1", f"train.algo={algo}"])
+    _, on = train_run(project, f"{algo}-ckpt-on", ["train.steps=1", f"train.algo={algo}", "train.activation_checkpointing=true"])
     a, b = numeric(off[0]), numeric(on[0])
     assert a.keys() == b.keys() and "loss" in a
     for k in a:
