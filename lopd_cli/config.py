@@ -273,6 +273,9 @@ class EvolveSection(Section):
     samples_per_task: int = Field(1, ge=1, description="Rollouts of the incumbent per training task per round (k).")
     tasks_per_round: int | None = Field(
         None, ge=1, description="Training tasks rolled out per round, a fresh seeded draw each round; None: all of them.")
+    unsolved_first: bool = Field(
+        False, description="Draw each round's tasks from training tasks the bank holds no success of first, then "
+                           "from the solved ones.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of the rounds' rollouts; "
                                                                 "None: rollout.temperature.")
     start: Literal["base", "incumbent"] = Field(

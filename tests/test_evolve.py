@@ -18,7 +18,7 @@ import yaml
 
 from _train_fixtures import FAST, deep_update, oracle_records
 from lopd_cli.results.evaluate import mean_interval
-from lopd_cli.pipeline.evolve import auto_plan, paired_gate, round_cost
+from lopd_cli.pipeline.evolve import _train_tasks_of_round, auto_plan, paired_gate, round_cost
 
 # Small rounds: 3 training tasks × 2 samples, 2 training steps, 3 validation tasks.
 SMALL = ["evolve.tasks_per_round=3", "evolve.samples_per_task=2", "evolve.steps=2", "evolve.val_n=3"]
@@ -90,6 +90,28 @@ def test_auto_plan_and_round_cost():
     assert round_cost(10, ["sft"], 5, 4) == 10
     assert round_cost(10, ["sft", "lopd"], 5, 4) == 30
     assert round_cost(10, ["grpo"], 2, 8) == 26
+
+
+def test_unsolved_first_draws_the_tasks_the_bank_has_not_solved_before_any_solved_one():
+    from types import SimpleNamespace
+
+    from lopd_cli.envs.orders import OrdersEnv
+
+    def factory():
+        return OrdersEnv(n_train=20, n_validation=4, n_test=4)
+
+    ids = [t.id for t in factory().tasks("train")]
+    solved = frozenset(ids[:14])
+    cfg = SimpleNamespace(tasks_per_round=8, samples_per_task=2, seed=3, unsolved_first=True)
+    drawn = [t.id for t in _train_tasks_of_round(factory, cfg, 2, solved)]
+    assert len(drawn) == 16 and drawn[::2] == drawn[1::2]  # each task twice, in split order
+    assert set(ids[14:]) <= set(drawn) and len(set(drawn) & solved) == 2  # all 6 unsolved, then 2 solved
+    assert drawn == [t.id for t in _train_tasks_of_round(factory, cfg, 2, solved)]  # seeded
+    plain = SimpleNamespace(**{**vars(cfg), "unsolved_first": False})
+    assert [t.id for t in _train_tasks_of_round(factory, plain, 2, solved)] == \
+        [t.id for t in _train_tasks_of_round(factory, plain, 2)]  # off: the bank does not matter
+    everything = SimpleNamespace(**{**vars(cfg), "tasks_per_round": None})
+    assert len(_train_tasks_of_round(factory, everything, 2, solved)) == 40
 
 
 # ----------------------------------------------------------------------------- end to end

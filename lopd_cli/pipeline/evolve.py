@@ -269,16 +269,38 @@ def newest_check(project) -> tuple[dict | None, Path | None]:
     return data.get("check"), f
 
 
-def _train_tasks_of_round(env_factory, cfg, k: int) -> list:
+def _train_tasks_of_round(env_factory, cfg, k: int, solved: frozenset[str] = frozenset()) -> list:
     """Round k's rollout tasks: a seeded draw of tasks_per_round training tasks (all when None),
-    each repeated samples_per_task times."""
+    each repeated samples_per_task times. With `unsolved_first` the draw takes tasks whose id is
+    not in `solved` (the bank's successes) before any solved one."""
     from lopd_cli.agent.runner import select_tasks
 
     tasks = select_tasks(env_factory, "train", None)
     if cfg.tasks_per_round is not None and cfg.tasks_per_round < len(tasks):
         rng = random.Random(round_seed(cfg.seed, k))
-        tasks = [tasks[i] for i in sorted(rng.sample(range(len(tasks)), cfg.tasks_per_round))]
+        if cfg.unsolved_first:
+            fresh = [i for i, t in enumerate(tasks) if str(t.id) not in solved]
+            done = [i for i, t in enumerate(tasks) if str(t.id) in solved]
+            rng.shuffle(fresh)
+            rng.shuffle(done)
+            picked = (fresh + done)[:cfg.tasks_per_round]
+        else:
+            picked = rng.sample(range(len(tasks)), cfg.tasks_per_round)
+        tasks = [tasks[i] for i in sorted(picked)]
     return [t for t in tasks for _ in range(cfg.samples_per_task)]
+
+
+def solved_task_ids(project, recipe) -> frozenset[str]:
+    """Task ids the bank holds a success of (reward ≥ eval.success_threshold)."""
+    from lopd_cli.bank.store import Bank
+
+    path = project.bank_path(recipe)
+    if not path.exists():
+        return frozenset()
+    thr = recipe.eval.success_threshold
+    with Bank(path, recipe.bank.min_reward, create=False) as bank:
+        return frozenset(str(t) for (t,) in bank.conn.execute(
+            "SELECT DISTINCT task_id FROM rollouts WHERE reward >= ?", (thr - 1e-9,)))
 
 
 def _round_methods(run: EvolveRun, k: int) -> tuple[list[str], str | None]:
@@ -463,7 +485,8 @@ def _rollouts(run: EvolveRun, k: int) -> dict:
 
     r, cfg = run.recipe, run.cfg
     env_factory = make_env_factory(r)
-    tasks = _train_tasks_of_round(env_factory, cfg, k)
+    solved = solved_task_ids(run.project, r) if cfg.unsolved_first else frozenset()
+    tasks = _train_tasks_of_round(env_factory, cfg, k, solved)
     checkpoint = run.state["incumbent"]["checkpoint"]
     model, tok, produced_by = _load_policy(run, checkpoint)
     meta = {**produced_by, "split": "train", "generated_by": "lopd", "phase": "evolve", "evolve_run": run.name,
