@@ -12,7 +12,7 @@ from lopd_cli.cli.common import DebugOpt, JsonOpt, SetOpt, console, err_console,
 
 
 def demo(
-    model: Annotated[str, typer.Option(help="Backbone of the demo project (tiny trains a small orders base policy).")] = "tiny",
+    model: Annotated[str, typer.Option(help="Backbone of the demo project (tiny: the shipped orders base policy is copied in).")] = "tiny",
     out: Annotated[Path, typer.Option("--out", help="Folder for the demo project.")] = Path("lopd-demo"),
     force: Annotated[bool, typer.Option("--force", help="Replace --out even if it holds a project the demo did not make.")] = False,
     set_: SetOpt = None,
