@@ -56,7 +56,7 @@ def other_value(default):
 
 
 def test_every_key_and_section_has_a_one_line_description():
-    assert len(LEAVES) == 121  # 107 + the 12 evolve keys + train.parallel + train.activation_checkpointing
+    assert len(LEAVES) == 122  # 107 + the 13 evolve keys + train.parallel + train.activation_checkpointing
     for key, field in LEAVES.items():
         d = field.description or ""
         assert d.strip() and "\n" not in d and len(d) <= 140, key
