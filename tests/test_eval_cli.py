@@ -76,14 +76,15 @@ def test_eval_table_and_errors(lopd, tmp_path, recipe):
     assert bad.code == 1 and "error:" in bad.err and "nowhere" in bad.err
 
 
-def test_eval_without_recipe_refuses_a_run_of_another_world(tmp_path):
+def test_eval_refuses_a_run_of_another_world_without_recipe_and_notes_it_with_one(tmp_path):
     """`lopd eval --checkpoint runs/X` without --recipe takes the project's recipe: a run trained
-    in another env (its recipe.yaml) is refused instead of being scored on the wrong tasks."""
+    in another env (its recipe.yaml) is refused instead of being scored on the wrong tasks; with
+    --recipe it is scored there, with a note saying how the worlds differ."""
     from types import SimpleNamespace
 
     import yaml
 
-    from lopd_cli.cli.eval_cmds import check_same_world
+    from lopd_cli.cli.eval_cmds import check_same_world, world_mismatch
     from lopd_cli.config import recipe_from_dict
     from lopd_cli.errors import LopdError
 
@@ -97,3 +98,9 @@ def test_eval_without_recipe_refuses_a_run_of_another_world(tmp_path):
     (run / "recipe.yaml").write_text(yaml.safe_dump(other))
     with pytest.raises(LopdError, match="pass --recipe"):
         check_same_world(info, recipe_from_dict(here))
+    # With --recipe eval scores the run where it is told and only notes the difference.
+    seeded = {**here, "env": {**here["env"], "kwargs": {"house_rules": True, "rules_seed": 4242}}}
+    (run / "recipe.yaml").write_text(yaml.safe_dump(seeded))
+    note = world_mismatch(info, recipe_from_dict(here))
+    assert "'rules_seed': 4242" in note and "{'house_rules': True}" in note
+    assert world_mismatch(info, recipe_from_dict(seeded)) is None

@@ -41,21 +41,30 @@ def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     out.print(table)
 
 
-def check_same_world(info, r) -> None:
-    """Without --recipe, eval uses the project's default recipe: refuse a run trained in another
-    world (its own recipe.yaml names another env or reward), which would be scored on the wrong tasks."""
+def world_mismatch(info, r) -> str | None:
+    """How the world a run was trained in (its own recipe.yaml: env and reward) differs from the
+    recipe `r`, or None when they are the same (or the run saved no recipe)."""
     import yaml
 
     saved = (info.run_dir / "recipe.yaml") if info.run_dir else None
     if saved is None or not saved.is_file():
-        return
+        return None
     data = yaml.safe_load(saved.read_text()) or {}
     env = data.get("env") or {}
     trained = (env.get("class"), env.get("kwargs") or {}, data.get("reward"))
     here = (r.env.cls, r.env.kwargs, r.reward)
-    if trained != here:
-        raise LopdError(f"{info.run_dir} was trained in env {trained[0]} {trained[1]} (its recipe.yaml), but the "
-                        f"project's recipe '{r.name or r.source}' is env {here[0]} {here[1]}: pass --recipe")
+    if trained == here:
+        return None
+    return (f"{info.run_dir} was trained in env {trained[0]} {trained[1]} (its recipe.yaml), but the "
+            f"recipe '{r.name or r.source}' is env {here[0]} {here[1]}")
+
+
+def check_same_world(info, r) -> None:
+    """Without --recipe, eval uses the project's default recipe: refuse a run trained in another
+    world, which would be scored on the wrong tasks."""
+    differs = world_mismatch(info, r)
+    if differs:
+        raise LopdError(f"{differs}: pass --recipe")
 
 
 def eval_cmd(
@@ -96,6 +105,8 @@ def eval_cmd(
         info = read_checkpoint(resolve_checkpoint(spec, runs_dir=proj.runs_dir if proj else None))
         if recipe is None:
             check_same_world(info, r)
+        elif differs := world_mismatch(info, r):  # on purpose (transfer) or a forgotten --set: say so
+            err_console.print(f"[yellow]note[/yellow]: {differs}; scoring it in the recipe's")
         if info.backbone != r.model.backbone:
             err_console.print(f"[yellow]note[/yellow]: {info.path} was trained on '{info.backbone}', the recipe names '{r.model.backbone}'")
         run = info.run_dir.name if info.run_dir else info.path.parent.name
