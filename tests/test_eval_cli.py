@@ -104,3 +104,19 @@ def test_eval_refuses_a_run_of_another_world_without_recipe_and_notes_it_with_on
     note = world_mismatch(info, recipe_from_dict(here))
     assert "'rules_seed': 4242" in note and "{'house_rules': True}" in note
     assert world_mismatch(info, recipe_from_dict(seeded)) is None
+
+
+def test_eval_with_recipe_scores_a_run_of_another_world_and_says_so(lopd, tmp_path, recipe):
+    ckpt = make_checkpoint(tmp_path / "runs" / "r2")
+    run = ckpt.parent.parent
+    saved = {"model": {"backbone": "tiny"}, "env": {"class": "category_env.py:CategoryEnv", "kwargs": {}}}
+    (run / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    same = lopd("eval", "--recipe", recipe, "--checkpoint", run, "-n", "2", "--json")
+    assert same.code == 0, same
+    assert "note" not in same.err
+    saved["env"]["kwargs"] = {"rules_seed": 4242}
+    (run / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    other = lopd("eval", "--recipe", recipe, "--checkpoint", run, "-n", "2", "--json")
+    assert other.code == 0, other
+    assert "note" in other.err and "rules_seed" in other.err and "scoring it in the recipe's" in " ".join(other.err.split())
+    assert json.loads(other.out)["models"][0]["n"] == 2
