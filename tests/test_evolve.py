@@ -314,6 +314,19 @@ def test_bad_input_is_a_one_line_error(template, lopd, tmp_path):
     assert not any((proj.runs_dir / n).exists() for n in ("b", "v", "s")), "a refused run leaves no folder"
 
 
+def test_unsolved_first_rolls_out_only_tasks_the_bank_has_not_solved(template, lopd, tmp_path):
+    from lopd_cli.pipeline.evolve import solved_task_ids
+
+    proj = _copy(template, tmp_path / "p")
+    solved = solved_task_ids(proj, proj.load_recipe("toolcall"))
+    assert len(solved) == 24  # the 24 oracle successes, each of its own training task
+    r = lopd("evolve", "-C", proj.root, "--recipe", "toolcall", "--algo", "sft", "--run", "ev", "--rounds", "1",
+             *[a for s in SMALL for a in ("--set", s)], "--set", "evolve.unsolved_first=true")
+    assert r.code == 0, r
+    episodes = [json.loads(x) for x in (proj.runs_dir / "ev" / "rounds" / "r01" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(episodes) == 6 and not {e["task_id"] for e in episodes} & solved  # 40 training tasks, 16 unsolved
+
+
 def test_patience_and_rounds_stop_a_run(template):
     from lopd_cli.agent.runner import make_env_factory
     from lopd_cli.pipeline.evolve import EvolveRun, _load_recipe, _stop_reason

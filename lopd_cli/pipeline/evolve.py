@@ -291,16 +291,15 @@ def _train_tasks_of_round(env_factory, cfg, k: int, solved: frozenset[str] = fro
 
 
 def solved_task_ids(project, recipe) -> frozenset[str]:
-    """Task ids the bank holds a success of (reward ≥ eval.success_threshold)."""
+    """Task ids the bank holds a success of, as SFT counts one (train/sft.py `successful_rows`)."""
     from lopd_cli.bank.store import Bank
+    from lopd_cli.train.sft import successful_rows
 
     path = project.bank_path(recipe)
     if not path.exists():
         return frozenset()
-    thr = recipe.eval.success_threshold
     with Bank(path, recipe.bank.min_reward, create=False) as bank:
-        return frozenset(str(t) for (t,) in bank.conn.execute(
-            "SELECT DISTINCT task_id FROM rollouts WHERE reward >= ?", (thr - 1e-9,)))
+        return frozenset(str(it.task_id) for it in successful_rows(bank, recipe.eval.success_threshold))
 
 
 def _round_methods(run: EvolveRun, k: int) -> tuple[list[str], str | None]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -49,6 +49,12 @@ IDS = "sft_ids"  # tr.extra: the pool's bank row ids (checkpointed)
 POOL = "sft_pool"  # tr.extra: the tokenised pool, in IDS order (rebuilt from IDS, not saved)
 
 
+def successful_rows(bank, threshold: float) -> Iterator:
+    """The bank's rows that count as successes: reward ≥ `threshold` (eval.success_threshold) and
+    no recorded error."""
+    return (it for it in bank.iter_items(success_only=False) if it.reward >= threshold and not it.meta.get("error"))
+
+
 def eligible_ids(project, recipe, held_out: set[str] = frozenset()) -> list[int]:
     """Bank rows that count as successes: reward ≥ eval.success_threshold, no recorded error,
     and not of a held-out task (`held_out`: task ids, the environment's validation tasks)."""
@@ -59,8 +65,7 @@ def eligible_ids(project, recipe, held_out: set[str] = frozenset()) -> list[int]
         raise LopdError(f"--algo sft: no bank at {path} (fill it first: lopd rollout --to-bank, lopd bank add-rollouts)")
     thr = recipe.eval.success_threshold
     with Bank(path, recipe.bank.min_reward, create=False) as bank:
-        ids = [it.id for it in bank.iter_items(success_only=False)
-               if it.reward >= thr and not it.meta.get("error") and str(it.task_id) not in held_out]
+        ids = [it.id for it in successful_rows(bank, thr) if str(it.task_id) not in held_out]
     if not ids:
         raise LopdError(f"--algo sft: the bank {path} holds no rollout with reward >= eval.success_threshold ({thr:g}) "
                         "outside the environment's validation tasks")
