@@ -118,5 +118,5 @@ def test_eval_with_recipe_scores_a_run_of_another_world_and_says_so(lopd, tmp_pa
     (run / "recipe.yaml").write_text(yaml.safe_dump(saved))
     other = lopd("eval", "--recipe", recipe, "--checkpoint", run, "-n", "2", "--json")
     assert other.code == 0, other
-    assert "note" in other.err and "rules_seed" in other.err and "scoring it in the recipe's" in " ".join(other.err.split())
+    assert "note" in other.err and "rules_seed" in other.err and "scoring it in the recipe's world" in " ".join(other.err.split())
     assert json.loads(other.out)["models"][0]["n"] == 2

@@ -106,7 +106,7 @@ def eval_cmd(
         if recipe is None:
             check_same_world(info, r)
         elif differs := world_mismatch(info, r):  # on purpose (transfer) or a forgotten --set: say so
-            err_console.print(f"[yellow]note[/yellow]: {differs}; scoring it in the recipe's")
+            err_console.print(f"[yellow]note[/yellow]: {differs}; scoring it in the recipe's world")
         if info.backbone != r.model.backbone:
             err_console.print(f"[yellow]note[/yellow]: {info.path} was trained on '{info.backbone}', the recipe names '{r.model.backbone}'")
         run = info.run_dir.name if info.run_dir else info.path.parent.name
