@@ -29,17 +29,19 @@ def test_init_copies_the_shipped_policy(lopd, tmp_path):
 
 def test_a_short_build_still_runs_and_is_reproducible(tmp_path, capsys):
     out = tmp_path / "policy"
-    assert main(["--steps", "3", "--tasks", "24", "--spread-steps", "2", "--out", str(out)]) == 0
+    assert main(["--steps", "3", "--tasks", "24", "--spread-steps", "2", "--copy-steps", "2", "--out", str(out)]) == 0
     manifest = json.loads((out / "lopd_model.json").read_text())
     assert manifest["steps"] == 3 and manifest["n_tasks"] == 24 and manifest["version"] == POLICY_VERSION
     assert manifest["spread_phase"] == {"steps": 2, "lr": 1e-3, "n_tasks": 48, "plain_rules": "random"}
-    assert "base policy: step 5/5" in capsys.readouterr().out
+    assert manifest["copy_phase"] == {"steps": 2, "lr": 3e-3, "n_tasks": 48, "plain_rules": "random", "copies": True}
+    assert "base policy: step 7/7" in capsys.readouterr().out
     from lopd_cli.models.backbone import load_backbone
 
     model, tok = load_backbone(str(out), device="cpu")
     assert model.dtype.is_floating_point and len(tok) == model.get_input_embeddings().weight.shape[0]
     # Bit for bit: the same build again has the same weights' hash.
-    assert main(["--steps", "3", "--tasks", "24", "--spread-steps", "2", "--out", str(out), "--check"]) == 0
+    assert main(["--steps", "3", "--tasks", "24", "--spread-steps", "2", "--copy-steps", "2", "--out", str(out),
+                 "--check"]) == 0
     assert "identical" in capsys.readouterr().out
 
 
@@ -107,9 +109,10 @@ def test_spread_phase_examples_draw_plain_rules_at_random():
 
 
 def test_the_shipped_policy_knows_no_rule_set_by_heart():
-    """Version 7's point (benchmarks/rule_prior.py on validation tasks): without a reference,
-    the first token of a rule costs about a guess among four under the recipes' rule set, the
-    one phase 1 trained on and a never-used one alike. Version 6 gave 10 nats vs 0.01."""
+    """Version 7's point, kept by version 8 (benchmarks/rule_prior.py on validation tasks):
+    without a reference, the first token of a rule costs about a guess among four under the
+    recipes' rule set, the one phase 1 trained on and a never-used one alike. Version 6 gave
+    10 nats vs 0.01."""
     import sys
     from pathlib import Path
 

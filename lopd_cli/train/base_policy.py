@@ -34,6 +34,13 @@ from its seed, `--check` compares.
   so a teacher on its samples had almost no mass to move; after phase 2 every rule set's first
   token costs about a guess among four (`benchmarks/rule_prior.py`). That is what an instruct
   model knows of a store it has never seen: the kinds of rules stores have, not which.
+- Version 8 adds a third phase (`COPY`): 600 steps from version 7's weights, like phase 2, in
+  which the words an assistant turn copies from the request or a tool result (an e-mail, a
+  status; `copied_words.py`) weigh like rule tokens. Version 7 copied digits but not names: asked
+  for "I am eva55@mail.com", it looked up "hana55@mail.com", and got the e-mail right in 5 of 48
+  validation look-ups (version 8: 15), so the look-up tasks (two in five) were out of reach for
+  every method. An instruct model copies a name from the request; the stand-in now does so
+  sometimes (benchmarks/history/2026-12-04-self-evolution-first.md).
 
 Training shares the prompt prefix all orders episodes have in common (system prompt + tool
 schemas): it is run once per step (batch 1, with gradients) and its KV cache is repeated for
@@ -53,13 +60,15 @@ from lopd_cli.agent.types import Task
 from lopd_cli.envs.orders import OrdersEnv
 from lopd_cli.envs.orders_agent import noisy_oracle_transcript
 
-POLICY_VERSION = 7  # bump when the recipe below changes, so cached policies are rebuilt
+POLICY_VERSION = 8  # bump when the recipe below changes, so cached policies are rebuilt
 DEFAULTS = dict(steps=1600, batch_size=16, lr=5e-3, noise=0.25, warmup=20, number_weight=10.0, rule_weight=10.0,
                 reference_fraction=0.5, max_references=2, n_tasks=1024)
 # Phase 2 (version 7), from phase 1's weights: plain examples under random rule sets, so that
 # without a reference the policy spreads its bets over the rules stores use instead of knowing
 # one rule set by heart (version 6 gave a recipe store's first rule token ~10 nats).
 SPREAD = dict(steps=300, lr=1e-3, n_tasks=2048, plain_rules="random")  # n_tasks: 2x phase 1's
+# Phase 3 (version 8), from phase 2's weights: as phase 2, with copied words weighing like rules.
+COPY = dict(steps=600, lr=3e-3, n_tasks=2048, plain_rules="random", copies=True)
 # The rule set the base policy learns: not the packaged recipes' (orders.RECIPE_RULES_SEED), so the
 # demo's house rules are new to it, as a new store's would be to a team's existing agent.
 BASE_POLICY_RULES_SEED = 101
@@ -93,17 +102,19 @@ def base_policy_tasks(n: int, rules_seed: int | None = BASE_POLICY_RULES_SEED) -
 
 def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float, reference_fraction: float = 0.0,
               max_references: int = DEFAULTS["max_references"],
-              plain_rules: str = "own") -> list[tuple[list[int], list[int]]]:
+              plain_rules: str = "own", copies: bool = False) -> list[tuple[list[int], list[int]]]:
     """(ids, action mask) per task. Plain examples imitate the noisy oracle under the tasks' own
     rules. Reading examples (`reference_fraction`) carry 1..max_references solved transcripts of
     other tasks of the same store and kind in the teacher's reference frame and imitate the clean
     oracle; with house rules they are all re-drawn under a *random* rule set, shared by the task
     and its references, so the only way to get the rule right is to read it off a reference.
     `plain_rules="random"` re-draws the plain examples under a random rule set too, so that
-    without a reference the policy learns only the spread of rules stores use, not one rule set."""
+    without a reference the policy learns only the spread of rules stores use, not one rule set.
+    `copies` marks the action tokens that copy a word of the conversation like rule tokens."""
     from types import SimpleNamespace
 
     from lopd_cli.envs.orders import make_task, random_store_rules
+    from lopd_cli.train.copied_words import copied_token_mask
 
     def group(t: Task) -> tuple:
         return (t.data.get("kind"), t.data.get("store"))
@@ -131,6 +142,9 @@ def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float, re
         ids, mask = tokenize_transcript(tokenizer, messages, task.tools)
         if "rules" in task.data:
             mask = mark_rule_tokens(tokenizer, ids, mask, task.data["rules"])
+        if copies:
+            copied = copied_token_mask(tokenizer, ids, mask, messages, task.tools)
+            mask = [2 if c else m for m, c in zip(mask, copied)]
         out.append((ids, mask))
     return out
 
@@ -192,6 +206,7 @@ def train_orders_base_policy(
     n_tasks: int = DEFAULTS["n_tasks"],
     rules_seed: int | None = BASE_POLICY_RULES_SEED,
     plain_rules: str = "own",
+    copies: bool = False,
     init_from: Path | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Path:
@@ -211,7 +226,8 @@ def train_orders_base_policy(
     rng = random.Random(seed)
     model, tokenizer = load_backbone(str(init_from) if init_from else backbone, device="cpu")
     tasks = base_policy_tasks(n_tasks, rules_seed)
-    data = _examples(tokenizer, tasks, rng, noise, reference_fraction, DEFAULTS["max_references"], plain_rules)
+    data = _examples(tokenizer, tasks, rng, noise, reference_fraction, DEFAULTS["max_references"], plain_rules,
+                     copies)
     plen = _common_prefix_len([ids for ids, _ in data]) - 1  # keep >= 1 token in every suffix
     prefix = torch.tensor([data[0][0][:plen]])
     model.train()
@@ -313,13 +329,16 @@ def shipped_base_policy() -> Path | None:
 
 def build_base_policy(out_dir: Path, seed: int = 0, steps: int = DEFAULTS["steps"],
                       n_tasks: int = DEFAULTS["n_tasks"], spread_steps: int = SPREAD["steps"],
+                      copy_steps: int = COPY["steps"],
                       progress: Callable[[int, int, float], None] | None = None) -> Path:
     """The whole build: phase 1 (`steps` of imitation under the policy's own rules, reading
-    examples under random ones), then phase 2 (`spread_steps` from phase 1's weights with plain
-    examples under random rules too). `progress` counts both phases as one run of steps."""
+    examples under random ones), phase 2 (`spread_steps` from phase 1's weights with plain
+    examples under random rules too), phase 3 (`copy_steps` from phase 2's, copied words
+    weighted). Each phase starts from the previous one as packaged (float16), i.e. from the
+    previous version's shipped weights. `progress` counts the phases as one run of steps."""
     import tempfile
 
-    total = steps + spread_steps
+    total = steps + spread_steps + copy_steps
 
     def phase(offset: int):
         return (lambda s, _n, loss: progress(offset + s, total, loss)) if progress else None
@@ -327,17 +346,31 @@ def build_base_policy(out_dir: Path, seed: int = 0, steps: int = DEFAULTS["steps
     with tempfile.TemporaryDirectory() as tmp:
         first = train_orders_base_policy(Path(tmp) / "phase1", seed=seed, steps=steps, n_tasks=n_tasks,
                                          progress=phase(0))
-        # Phase 2 starts from phase 1 as packaged (float16), i.e. from version 6's shipped weights.
         first = package_base_policy(first, Path(tmp) / "phase1-packaged")
-        out = train_orders_base_policy(out_dir, seed=seed, steps=spread_steps, lr=SPREAD["lr"],
-                                       n_tasks=n_tasks * SPREAD["n_tasks"] // DEFAULTS["n_tasks"],
-                                       plain_rules=SPREAD["plain_rules"], init_from=first, progress=phase(steps))
+        second = train_orders_base_policy(Path(tmp) / "phase2", seed=seed, steps=spread_steps, lr=SPREAD["lr"],
+                                          n_tasks=n_tasks * SPREAD["n_tasks"] // DEFAULTS["n_tasks"],
+                                          plain_rules=SPREAD["plain_rules"], init_from=first,
+                                          progress=phase(steps))
+        second = package_base_policy(second, Path(tmp) / "phase2-packaged")
+        out = copy_phase(second, out_dir, seed=seed, steps=copy_steps,
+                         n_tasks=n_tasks * COPY["n_tasks"] // DEFAULTS["n_tasks"], progress=phase(steps + spread_steps))
     meta = json.loads((out / "lopd_model.json").read_text())
-    phase2 = {k: meta[k] for k in ("steps", "lr", "n_tasks")}
+    phase3 = {k: meta[k] for k in ("steps", "lr", "n_tasks")}
     meta.update(steps=steps, lr=DEFAULTS["lr"], n_tasks=n_tasks,
-                spread_phase={**phase2, "plain_rules": SPREAD["plain_rules"]})
+                spread_phase={"steps": spread_steps, "lr": SPREAD["lr"],
+                              "n_tasks": n_tasks * SPREAD["n_tasks"] // DEFAULTS["n_tasks"],
+                              "plain_rules": SPREAD["plain_rules"]},
+                copy_phase={**phase3, "plain_rules": COPY["plain_rules"], "copies": COPY["copies"]})
     (out / "lopd_model.json").write_text(json.dumps(meta))
     return out
+
+
+def copy_phase(start: Path, out_dir: Path, seed: int = 0, steps: int = COPY["steps"], n_tasks: int = COPY["n_tasks"],
+               progress: Callable[[int, int, float], None] | None = None) -> Path:
+    """Phase 3 from a packaged phase-2 policy (`start`, e.g. version 7's shipped weights)."""
+    return train_orders_base_policy(out_dir, seed=seed, steps=steps, lr=COPY["lr"], n_tasks=n_tasks,
+                                    plain_rules=COPY["plain_rules"], copies=COPY["copies"], init_from=start,
+                                    progress=progress)
 
 
 def cached_orders_base_policy(seed: int = 0, progress: Callable[[int, int, float], None] | None = None) -> Path:
@@ -377,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     ap.add_argument("--tasks", type=int, default=DEFAULTS["n_tasks"], help="imitation tasks (the shipped build: default)")
     ap.add_argument("--spread-steps", type=int, default=SPREAD["steps"], help="phase 2's steps (plain examples under random rules)")
+    ap.add_argument("--copy-steps", type=int, default=COPY["steps"], help="phase 3's steps (copied words weighted)")
     ap.add_argument("--check", action="store_true", help="rebuild in a temporary folder and compare with --out")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -389,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         trained = build_base_policy(Path(tmp) / "trained", seed=SHIPPED_SEED, steps=args.steps,
-                                    n_tasks=args.tasks, spread_steps=args.spread_steps, progress=say)
+                                    n_tasks=args.tasks, spread_steps=args.spread_steps,
+                                    copy_steps=args.copy_steps, progress=say)
         meta = json.loads((trained / "lopd_model.json").read_text())
         meta["threads"] = __import__("torch").get_num_threads()
         (trained / "lopd_model.json").write_text(json.dumps(meta))
