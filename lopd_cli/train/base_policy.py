@@ -2,7 +2,7 @@
 
 LOPD needs a base model that already succeeds sometimes, calls tools and can read a solved
 example — and that lacks the knowledge LOPD should teach. The embedded `tiny` backbone has
-random weights, so this module trains it (1,600 + 300 steps) on transcripts of the oracle
+random weights, so this module trains it (1,600 + 300 + 600 steps) on transcripts of the oracle
 (`orders.oracle_plan`) in the house-rules world, on tasks of its own seed range ("base": no
 train, validation or test task is among them) and under its own rule set
 (`BASE_POLICY_RULES_SEED`, not the recipes'). The result ships in the package
@@ -40,7 +40,7 @@ from its seed, `--check` compares.
   for "I am eva55@mail.com", it looked up "hana55@mail.com", and got the e-mail right in 5 of 48
   validation look-ups (version 8: 15), so the look-up tasks (two in five) were out of reach for
   every method. An instruct model copies a name from the request; the stand-in now does so
-  sometimes (benchmarks/history/2026-12-04-self-evolution-first.md).
+  sometimes (benchmarks/history/2026-12-05-base-policy-v8.md).
 
 Training shares the prompt prefix all orders episodes have in common (system prompt + tool
 schemas): it is run once per step (batch 1, with gradients) and its KV cache is repeated for
