@@ -122,3 +122,33 @@ def test_the_shipped_policy_knows_no_rule_set_by_heart():
     firsts = [nll["first"] for nll in rule_prior(str(SHIPPED_DIR), n_tasks=16).values()]
     assert all(0.4 < f < 2.5 for f in firsts), firsts
     assert max(firsts) - min(firsts) < 1.0, firsts
+
+
+@pytest.mark.slow
+def test_the_shipped_policy_copies_the_email_of_a_look_up(lopd, tmp_path):
+    """Version 8's point: asked "I am EMAIL. …", its first call looks up that e-mail. Of the 48
+    look-ups among 128 validation tasks (greedy) version 8 copies 15 exactly, version 7 copied 5
+    (benchmarks/history/2026-12-05-base-policy-v8.md)."""
+    import re
+
+    assert lopd("init", "p", "--example", "orders", "--model", "tiny", cwd=tmp_path).code == 0
+    r = lopd("eval", "--recipe", "toolcall", "--split", "validation", "-n", "128", "--set",
+             "env.kwargs.n_validation=128", "--set", "rollout.max_turns=1", "--rollouts", tmp_path / "r.jsonl",
+             cwd=tmp_path / "p")
+    assert r.code == 0, r
+    asked, copied = 0, 0
+    for line in (tmp_path / "r.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        m = re.search(r"I am (\S+@mail\.com)\.", rec["instruction"])
+        if not m:
+            continue
+        asked += 1
+        calls = [c["function"] for msg in rec["messages"] if msg["role"] == "assistant"
+                 for c in msg.get("tool_calls") or []]
+        if calls and calls[0]["name"] == "find_customer":
+            try:
+                copied += json.loads(calls[0]["arguments"]).get("email") == m.group(1)
+            except ValueError:
+                pass
+    assert asked >= 40, asked
+    assert copied >= 12, (copied, asked)

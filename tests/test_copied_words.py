@@ -19,9 +19,10 @@ def _call(name: str, **args) -> dict:
 
 MESSAGES = [
     {"role": "system", "content": "You help customers of the store. Sign off with Thanks."},
-    {"role": "user", "content": "I am zoe29@mail.com. Where is my order?"},
+    {"role": "user", "content": "I am zoe29@mail.com. Where is my order? Thanks"},
     _call("find_customer", email="zoe29@mail.com"),
-    {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"customer_id": 7, "status": "pending"})},
+    {"role": "tool", "tool_call_id": "c1",
+     "content": json.dumps({"customer_id": 7, "email": "zoe29@mail.com", "status": "pending"})},
     {"role": "assistant", "content": "Your order is pending, zoe29@mail.com. Thanks"},
 ]
 
@@ -38,8 +39,9 @@ def test_copyable_words_come_from_earlier_user_and_tool_messages_only():
     assert "zoe29@mail.com" in first
     assert "pending" not in first, "the tool result comes after the first call"
     assert {"pending", "zoe29@mail.com", "7"} <= second
-    # words of the system prompt and of the tool schemas are format, not entities
-    assert "email" not in first and "Thanks" not in second
+    # words of the system prompt ("Thanks") and of the tool schemas ("email", a key of the tool
+    # result) are format, not entities, though the request and the result contain them
+    assert "Thanks" not in first | second and "email" not in second
 
 
 def test_the_copied_tokens_of_a_transcript(tiny_tokenizer):

@@ -339,6 +339,7 @@ def build_base_policy(out_dir: Path, seed: int = 0, steps: int = DEFAULTS["steps
     import tempfile
 
     total = steps + spread_steps + copy_steps
+    spread_tasks, copy_tasks = (n_tasks * p["n_tasks"] // DEFAULTS["n_tasks"] for p in (SPREAD, COPY))
 
     def phase(offset: int):
         return (lambda s, _n, loss: progress(offset + s, total, loss)) if progress else None
@@ -348,19 +349,17 @@ def build_base_policy(out_dir: Path, seed: int = 0, steps: int = DEFAULTS["steps
                                          progress=phase(0))
         first = package_base_policy(first, Path(tmp) / "phase1-packaged")
         second = train_orders_base_policy(Path(tmp) / "phase2", seed=seed, steps=spread_steps, lr=SPREAD["lr"],
-                                          n_tasks=n_tasks * SPREAD["n_tasks"] // DEFAULTS["n_tasks"],
-                                          plain_rules=SPREAD["plain_rules"], init_from=first,
+                                          n_tasks=spread_tasks, plain_rules=SPREAD["plain_rules"], init_from=first,
                                           progress=phase(steps))
         second = package_base_policy(second, Path(tmp) / "phase2-packaged")
-        out = copy_phase(second, out_dir, seed=seed, steps=copy_steps,
-                         n_tasks=n_tasks * COPY["n_tasks"] // DEFAULTS["n_tasks"], progress=phase(steps + spread_steps))
+        out = copy_phase(second, out_dir, seed=seed, steps=copy_steps, n_tasks=copy_tasks,
+                         progress=phase(steps + spread_steps))
     meta = json.loads((out / "lopd_model.json").read_text())
-    phase3 = {k: meta[k] for k in ("steps", "lr", "n_tasks")}
     meta.update(steps=steps, lr=DEFAULTS["lr"], n_tasks=n_tasks,
-                spread_phase={"steps": spread_steps, "lr": SPREAD["lr"],
-                              "n_tasks": n_tasks * SPREAD["n_tasks"] // DEFAULTS["n_tasks"],
+                spread_phase={"steps": spread_steps, "lr": SPREAD["lr"], "n_tasks": spread_tasks,
                               "plain_rules": SPREAD["plain_rules"]},
-                copy_phase={**phase3, "plain_rules": COPY["plain_rules"], "copies": COPY["copies"]})
+                copy_phase={"steps": copy_steps, "lr": COPY["lr"], "n_tasks": copy_tasks,
+                            "plain_rules": COPY["plain_rules"], "copies": COPY["copies"]})
     (out / "lopd_model.json").write_text(json.dumps(meta))
     return out
 
