@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from lopd_cli.train.token_marks import token_pieces, tokens_overlapping
+
 MODES = ("none", "learned", "other", "text")
 LABELS = {"none": "no block (the student's view)", "learned": "learned latents, own references",
           "other": "learned latents, another task's references", "text": "references as text"}
@@ -81,11 +83,7 @@ def rule_token_mask(tokenizer, input_ids: Sequence[int], action_mask: Sequence[i
                     rule_strings: Sequence[str]) -> list[bool]:
     """For each action token (in order), whether its text overlaps an occurrence of one of
     `rule_strings` inside the transcript."""
-    pieces = [tokenizer.decode([t]) for t in input_ids]
-    starts, pos = [], 0
-    for p in pieces:
-        starts.append(pos)
-        pos += len(p)
+    pieces = token_pieces(tokenizer, input_ids)
     text = "".join(pieces)
     hit = [False] * len(text)
     for s in rule_strings:
@@ -96,7 +94,7 @@ def rule_token_mask(tokenizer, input_ids: Sequence[int], action_mask: Sequence[i
             for c in range(at, at + len(s)):
                 hit[c] = True
             at = text.find(s, at + 1)
-    return [any(hit[starts[i]: starts[i] + len(pieces[i])]) for i, m in enumerate(action_mask) if m]
+    return [h for h, m in zip(tokens_overlapping(pieces, hit), action_mask) if m]
 
 
 @dataclass

@@ -17,6 +17,8 @@ import json
 import re
 from typing import Sequence
 
+from lopd_cli.train.token_marks import token_pieces, tokens_overlapping
+
 WORD = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9@._+-]*[A-Za-z0-9])?")
 
 
@@ -67,14 +69,11 @@ def copied_token_mask(tokenizer, input_ids: Sequence[int], action_mask: Sequence
     for (start, end), copyable in zip(_runs(action_mask), copyable_words(messages, tools)):
         if not copyable:
             continue
-        pieces = [tokenizer.decode([t]) for t in input_ids[start:end]]
+        pieces = token_pieces(tokenizer, input_ids[start:end])
         text = "".join(pieces)
         hit = [False] * len(text)
         for m in WORD.finditer(text):
             if m.group() in copyable:
                 hit[m.start():m.end()] = [True] * (m.end() - m.start())
-        pos = 0
-        for k, piece in enumerate(pieces):
-            first, pos = pos, pos + len(piece)
-            marked[start + k] = any(hit[first:pos])
+        marked[start:end] = tokens_overlapping(pieces, hit)
     return marked
