@@ -36,7 +36,7 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # Rebuild the tiny orders base policy that ships in lopd_cli/models/data/ from its seed (two
-# threads, as recorded in its manifest; three phases: 52 min + ~26 min + ~31 min on a 2-core machine). `make base-policy-check`
+# threads, as recorded in its manifest; three phases: 52 min + ~26 min + ~18 min on a 2-core machine). `make base-policy-check`
 # rebuilds it in a temporary folder and compares the weights' hash with the shipped one.
 base-policy: setup
 	LOPD_THREADS=2 $(BIN)/python -m lopd_cli.train.base_policy

@@ -109,7 +109,7 @@ def test_spread_phase_examples_draw_plain_rules_at_random():
 
 
 def test_the_shipped_policy_knows_no_rule_set_by_heart():
-    """Version 7's point, kept by versions 8-9 (benchmarks/rule_prior.py on validation tasks):
+    """Version 7's point, kept by version 8 (benchmarks/rule_prior.py on validation tasks):
     without a reference, the first token of a rule costs about a guess among four under the
     recipes' rule set, the one phase 1 trained on and a never-used one alike. Version 6 gave
     10 nats vs 0.01."""
@@ -126,9 +126,9 @@ def test_the_shipped_policy_knows_no_rule_set_by_heart():
 
 @pytest.mark.slow
 def test_the_shipped_policy_copies_the_email_of_a_look_up(lopd, tmp_path):
-    """Versions 8-9's point: asked "I am EMAIL. …", its first call looks up that e-mail. Of the
-    48 look-ups among 128 validation tasks (greedy) version 9 copies 21 exactly, version 8 copied
-    15, version 7 copied 5 (benchmarks/history/2026-12-05-base-policy-v8.md)."""
+    """Version 8's point: asked "I am EMAIL. …", its first call looks up that e-mail. Of the 48
+    look-ups among 128 validation tasks (greedy) version 8 copies 15 exactly, version 7 copied 5
+    (benchmarks/history/2026-12-05-base-policy-v8.md)."""
     import re
 
     assert lopd("init", "p", "--example", "orders", "--model", "tiny", cwd=tmp_path).code == 0
@@ -151,4 +151,4 @@ def test_the_shipped_policy_copies_the_email_of_a_look_up(lopd, tmp_path):
             except ValueError:
                 pass
     assert asked >= 40, asked
-    assert copied >= 18, (copied, asked)
+    assert copied >= 12, (copied, asked)

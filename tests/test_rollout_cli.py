@@ -56,7 +56,7 @@ def test_a_reward_plugin_that_returns_nonsense_is_named(lopd, project, tmp_path)
 
 @pytest.mark.slow
 def test_tiny_base_policy_has_the_skill_but_no_house_rules(lopd, tmp_path):
-    """`lopd init` copies the shipped tiny orders base policy (v9). In the plain world (no house
+    """`lopd init` copies the shipped tiny orders base policy (v8). In the plain world (no house
     rules) it succeeds on some but not most test tasks (greedy): it has the tool-use skill. Under
     house rules it succeeds less often, under the recipe's rules and under the rule set its first
     build phase used (rules_seed 101) alike: what it lacks is the stores' rules, and it knows no
