@@ -9,7 +9,7 @@ from typing import Sequence
 
 
 def token_pieces(tokenizer, input_ids: Sequence[int]) -> list[str]:
-    """Each token's text; joined, they are the decoded sequence."""
+    """Each token's text, decoded alone; joined, they are the text whose characters are marked."""
     return [tokenizer.decode([t]) for t in input_ids]
 
 
