@@ -40,7 +40,8 @@ from its seed, `--check` compares.
   for "I am eva55@mail.com", it looked up "hana55@mail.com", and got the e-mail right in 5 of 48
   validation look-ups (version 8: 15), so the look-up tasks (two in five) were out of reach for
   every method. An instruct model copies a name from the request; the stand-in now does so
-  sometimes (benchmarks/history/2026-12-05-base-policy-v8.md).
+  sometimes (benchmarks/history/2026-12-05-base-policy-v8.md, which also records a 1,200-step
+  phase 3 that was tried and reverted).
 
 Training shares the prompt prefix all orders episodes have in common (system prompt + tool
 schemas): it is run once per step (batch 1, with gradients) and its KV cache is repeated for
