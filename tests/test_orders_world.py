@@ -220,3 +220,19 @@ def test_a_new_rules_seed_gives_different_rules(ruled):
     t = ruled["test"][0]
     other = make_task(t.data["seed"], "test", rules_seed=7)
     assert other.instruction == t.instruction and other.data["rules"] == store_rules(7)[t.data["store"]]
+
+
+def test_the_recipes_larger_training_pool_leaves_validation_and_test_as_they_were():
+    """orders-tiny has 2,048 training tasks (512 before): its validation and test tasks, which
+    RESULTS compares across the two, are the same tasks, data included."""
+    from lopd_cli.config import load_recipe
+    from lopd_cli.project import packaged_recipe
+
+    kwargs = load_recipe(packaged_recipe("orders-tiny"), []).env.kwargs
+    assert kwargs["n_train"] == 2048
+    big = OrdersEnv(**{**kwargs, "n_validation": 256, "n_test": 256})
+    small = OrdersEnv(**{**kwargs, "n_train": 512, "n_validation": 256, "n_test": 256})
+    assert len(big.tasks("train")) == 2048
+    for split in ("validation", "test"):
+        a, b = big.tasks(split), small.tasks(split)
+        assert [(t.id, t.instruction, t.data) for t in a] == [(t.id, t.instruction, t.data) for t in b]
