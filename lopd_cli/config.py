@@ -52,13 +52,71 @@ class ModelSection(Section):
     device: str = Field("auto", description="Where the model runs: auto, cpu, cuda or cuda:N.")
 
 
+class McpResetHook(Section):
+    tool: str = Field(description="The server tool called when an episode starts (e.g. reset_state).")
+    arguments: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Its arguments; strings may use {episode}, {task_id} and {data[KEY]} (the task's data).")
+
+
+class McpSection(Section):
+    command: str | None = Field(
+        None, description="The server's command over stdio ({python}: the Python lopd runs in); or set url.")
+    args: list[str] = Field(default_factory=list, description="The command's arguments ({python}, {tmp}, {recipe_dir}).")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables for the server, over lopd's ({tmp}: a folder of this process's own).")
+    cwd: str | None = Field(None, description="The server's working folder (default: the recipe's folder).")
+    url: str | None = Field(None, description="A running server's Streamable HTTP URL, instead of a command.")
+    tasks: str = Field(
+        description="Task file (JSONL or JSON, relative to the recipe) or 'module:function' returning the task records.")
+    system_prompt: str | None = Field(
+        None, description="System message of tasks that give an instruction rather than messages (null: none).")
+    hide_tools: list[str] = Field(default_factory=list, description="Server tools the agent does not see.")
+    rename_tools: dict[str, str] = Field(
+        default_factory=dict, description="Server tool name -> the name the agent sees.")
+    call_arguments: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Arguments lopd adds to every call of a tool that declares them, hidden from the agent "
+                    "(e.g. state_key: '{episode}').")
+    reset: McpResetHook | None = Field(None, description="The tool called when an episode starts (null: none).")
+    observation: str | None = Field(
+        None, description="Dotted key of the tool result's JSON that the agent sees (null: the whole text).")
+    call_timeout_s: float = Field(
+        8.0, gt=0, description="Seconds a tool call may take before the agent gets an ERROR observation.")
+    start_timeout_s: float = Field(30.0, gt=0, description="Seconds the server may take to start and list its tools.")
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> "McpSection":
+        if bool(self.command) == bool(self.url):
+            raise ValueError("set exactly one of command (a stdio server) and url (a running server)")
+        return self
+
+
 class EnvSection(Section):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    cls: str = Field(
-        alias="class",
-        description="The environment class: 'package.module:Name' or 'file.py:Name' (relative to the recipe).")
+    cls: str | None = Field(
+        None, alias="class",
+        description="The environment class: 'package.module:Name' or 'file.py:Name' (relative to the recipe); or set mcp.")
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments passed to the environment class.")
+    mcp: McpSection | None = Field(
+        None, description="An MCP server as the environment, instead of a class (docs/environments.md#mcp-servers).")
+
+    @model_validator(mode="after")
+    def _class_or_mcp(self) -> "EnvSection":
+        if bool(self.cls) == (self.mcp is not None):
+            raise ValueError("set exactly one of env.class (a Python environment) and env.mcp (an MCP server)")
+        if self.mcp is not None and self.kwargs:
+            raise ValueError("env.kwargs is for env.class; an MCP environment takes its settings from env.mcp")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The world in one phrase: its class, or its MCP server."""
+        if self.mcp is not None:
+            return f"MCP server {self.mcp.url or ' '.join([self.mcp.command or '', *self.mcp.args])}"
+        return str(self.cls)
 
 
 class RolloutSection(Section):
@@ -336,6 +394,15 @@ class Recipe(Section):
             bank["min_reward"] = 1.0 if thr is None else thr
             data = {**data, "bank": bank}
         return data
+
+    @model_validator(mode="after")
+    def _mcp_timeout_inside_tool_timeout(self) -> "Recipe":
+        mcp = self.env.mcp
+        if mcp is not None and mcp.call_timeout_s >= self.rollout.tool_timeout_s:
+            raise ValueError(f"env.mcp.call_timeout_s ({mcp.call_timeout_s:g}) must be below rollout.tool_timeout_s "
+                             f"({self.rollout.tool_timeout_s:g}), so that a slow call is an ERROR observation "
+                             "rather than a failed episode")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)

@@ -341,8 +341,14 @@ def _chunk_key(start: int, batch_size: int) -> int:
 # ---------------------------------------------------------------- recipe helpers
 
 def make_env_factory(recipe: Recipe) -> Callable[[], Any]:
-    """A zero-argument constructor of the recipe's environment (one instance per episode)."""
+    """A zero-argument constructor of the recipe's environment (one instance per episode): its
+    class, or an MCP server (`env.mcp`, lopd_cli/envs/mcp.py)."""
     from lopd_cli.agent.plugins import load_env_class
+
+    if recipe.env.mcp is not None:
+        from lopd_cli.envs.mcp import make_mcp_env_factory
+
+        return make_mcp_env_factory(recipe.env.mcp, recipe.base_dir, recipe.reward)
 
     cls = load_env_class(recipe.env.cls, recipe.base_dir)
     kwargs = dict(recipe.env.kwargs)
@@ -354,8 +360,9 @@ def make_env_factory(recipe: Recipe) -> Callable[[], Any]:
 
 
 def load_reward(recipe: Recipe) -> Callable[[Task, list[dict]], float] | None:
-    """The recipe's reward plugin (None: the environment's own reward)."""
-    if not recipe.reward:
+    """The recipe's reward plugin (None: the environment's own reward). An MCP environment calls
+    the plugin itself, with a handle on its server."""
+    if not recipe.reward or recipe.env.mcp is not None:
         return None
     from lopd_cli.agent.plugins import load_reward_fn
 

@@ -51,12 +51,18 @@ def world_mismatch(info, r) -> str | None:
         return None
     data = yaml.safe_load(saved.read_text()) or {}
     env = data.get("env") or {}
-    trained = (env.get("class"), env.get("kwargs") or {}, data.get("reward"))
-    here = (r.env.cls, r.env.kwargs, r.reward)
+    trained = (env.get("class"), env.get("kwargs") or {}, env.get("mcp"), data.get("reward"))
+    mcp_here = r.env.mcp.model_dump(mode="json") if r.env.mcp is not None else None
+    here = (r.env.cls, r.env.kwargs, mcp_here, r.reward)
     if trained == here:
         return None
-    return (f"{info.run_dir} was trained in env {trained[0]} {trained[1]} (its recipe.yaml), but the "
-            f"recipe '{r.name or r.source}' is env {here[0]} {here[1]}")
+
+    def label(world: tuple) -> str:
+        if world[2]:
+            return f"MCP server {world[2].get('url') or ' '.join([world[2].get('command') or '', *world[2].get('args', [])])}"
+        return f"{world[0]} {world[1]}"
+    return (f"{info.run_dir} was trained in env {label(trained)} (its recipe.yaml), but the "
+            f"recipe '{r.name or r.source}' is env {label(here)}")
 
 
 def check_same_world(info, r) -> None:

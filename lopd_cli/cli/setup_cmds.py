@@ -75,15 +75,19 @@ def recipe_check(
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Validate a recipe (schema, env class, reward plugin) and print it resolved."""
+    """Validate a recipe (schema, env class or MCP server and task file, reward plugin) and print it resolved."""
     from lopd_cli.agent.plugins import load_env_class, load_reward_fn
+    from lopd_cli.agent.runner import make_env_factory
     from lopd_cli.config import load_recipe
     from lopd_cli.project import find_recipe, open_project
 
     proj = open_project(project, required=False)
     path = find_recipe(recipe, proj)
     r = load_recipe(path, set_ or [])
-    load_env_class(r.env.cls, r.base_dir)
+    if r.env.mcp is not None:
+        make_env_factory(r)  # starts the server, lists its tools, reads the task file
+    else:
+        load_env_class(r.env.cls, r.base_dir)
     if r.reward:
         load_reward_fn(r.reward, r.base_dir)
     if as_json:

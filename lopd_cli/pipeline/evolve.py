@@ -338,7 +338,7 @@ def open_evolve(project, recipe: str | None = None, overrides: Sequence[str] = (
     except Exception:  # noqa: BLE001 (an env that does not know the split)
         has_val = False
     if not has_val:
-        raise LopdError(f"evolve: the environment {r.env.cls} has no validation tasks (env.kwargs); "
+        raise LopdError(f"evolve: the environment {r.env.label} has no validation tasks; "
                         "the gate compares students on them")
     if not (cfg.steps or r.train.steps):
         raise LopdError("evolve.steps: train.steps is 0, so a round would train nothing; set evolve.steps")

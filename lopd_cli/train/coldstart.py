@@ -424,7 +424,7 @@ def build_anchor_cache(composer: Composer, retriever, tasks: Sequence[Task], n_r
 
 def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) -> dict:
     """`lopd coldstart`: load the backbone once, train φ, save the composer and the c_φ0 cache."""
-    from lopd_cli.agent.plugins import load_env_class
+    from lopd_cli.agent.runner import make_env_factory
     from lopd_cli.bank.embed import embedder_fingerprint
     from lopd_cli.bank.retrieve import Retriever
     from lopd_cli.models.adapters import attach_adapters
@@ -452,7 +452,7 @@ def run_coldstart(project, recipe, run_dir: Path, show_progress: bool = True) ->
         model, tokenizer = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search_dirs=search)
         model = attach_adapters(model, recipe)
         composer = Composer(model, tokenizer, recipe.composer, recipe.bank.obs_char_budget)
-        env = load_env_class(recipe.env.cls, recipe.base_dir)(**recipe.env.kwargs)
+        env = make_env_factory(recipe)()
         train_items, val_items = holdout_split(items, env, cs.val_fraction, cs.seed)
         max_tokens = recipe.rollout.max_prompt_tokens
         train = make_examples(tokenizer, retriever, train_items, n_ret, max_tokens)
