@@ -19,7 +19,7 @@ NARROW_COLUMNS = 110  # below this `recipe explain` prints a list, not a table
 
 def init(
     directory: Annotated[Path, typer.Argument(help="Folder for the new project (created if missing).")],
-    example: Annotated[str, typer.Option(help="Starting world: orders, bfcl or code.")] = "orders",
+    example: Annotated[str, typer.Option(help="Starting world: orders, bfcl, code or tau-retail.")] = "orders",
     model: Annotated[str, typer.Option(help="tiny, smollm2-135m-instruct, or a transformers directory.")] = "tiny",
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing project's settings and recipes.")] = False,
     seed: Annotated[int, typer.Option(help="Project seed.")] = 0,
@@ -44,6 +44,12 @@ def init(
     console.print(f"[green]created[/green] lopd project in {project.root}")
     for r in sorted(project.recipes_dir.glob("*.yaml")):
         console.print(f"  recipes/{r.name}")
+    if example == "tau-retail":
+        from lopd_cli.project.scaffold import TAU_RETAIL_LOGS
+
+        console.print(f"  {TAU_RETAIL_LOGS} (gold trajectories of the 60 train tasks)")
+        console.print(f"next: cd {directory} && lopd bank add-rollouts {TAU_RETAIL_LOGS} && lopd bank index")
+        return
     console.print(f"next: cd {directory} && lopd bank add-rollouts FILE.jsonl  (or lopd rollout --recipe toolcall -n 64 --to-bank)")
 
 
@@ -69,7 +75,7 @@ recipe_app = typer.Typer(help="Inspect recipes.", no_args_is_help=True)
 
 @recipe_app.command("check")
 def recipe_check(
-    recipe: Annotated[str, typer.Argument(help="Recipe path or name in the project's recipes/.")],
+    recipe: Annotated[Optional[str], typer.Argument(help="Recipe path or name in the project's recipes/ (default: lopd.yaml's).")] = None,
     set_: SetOpt = None,
     project: ProjectOpt = None,
     as_json: JsonOpt = False,
@@ -82,7 +88,9 @@ def recipe_check(
     from lopd_cli.project import find_recipe, open_project
 
     proj = open_project(project, required=False)
-    path = find_recipe(recipe, proj)
+    if recipe is None and proj is None:
+        raise LopdError("lopd recipe check: name a recipe (a path), or run it in a project (its lopd.yaml names one)")
+    path = find_recipe(recipe or proj.settings.recipe, proj)
     r = load_recipe(path, set_ or [])
     if r.env.mcp is not None:
         make_env_factory(r)  # starts the server, lists its tools, reads the task file

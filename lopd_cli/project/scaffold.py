@@ -8,10 +8,14 @@ from lopd_cli.errors import LopdError
 from lopd_cli.models.registry import BACKBONES
 from lopd_cli.project import Project, init_project, packaged_recipes, write_recipe_for_model
 
-EXAMPLES = ("orders", "bfcl", "code")
+EXAMPLES = ("orders", "bfcl", "code", "tau-retail")
 
 # Project recipe name -> packaged recipe family. toolcall.yaml and code.yaml are always written.
 ALWAYS = {"toolcall": "orders", "code": "code"}
+# Worlds with one packaged recipe for every model (tiny's context cannot hold a τ² trajectory, so
+# there is no tiny-sized variant), and that become the project's default recipe.
+ONE_RECIPE = ("tau-retail",)
+TAU_RETAIL_LOGS = "logs/tau-retail-gold.jsonl"
 
 
 def _family_recipe(family: str, model: str) -> Path | None:
@@ -19,6 +23,8 @@ def _family_recipe(family: str, model: str) -> Path | None:
     starts from the real-model variant `<family>-smollm2.yaml`."""
     variant = "tiny" if model == "tiny" else "smollm2"
     p = packaged_recipes() / f"{family}-{variant}.yaml"
+    if not p.is_file() and family in ONE_RECIPE:
+        p = packaged_recipes() / f"{family}-smollm2.yaml"
     return p if p.is_file() else None
 
 
@@ -64,4 +70,25 @@ def create_project(directory: Path, example: str, model: str, force: bool = Fals
             write_recipe_for_model(src, project.recipes_dir / f"{name}.yaml", chosen)
     if not (project.recipes_dir / "toolcall.yaml").exists():
         raise LopdError("the packaged orders recipe is missing: reinstall lopd")
+    if example == "tau-retail":
+        _tau_retail_logs(project)
     return project
+
+
+def _tau_retail_logs(project: Project) -> None:
+    """The tau-retail project's default recipe, and its "team's logs": the gold trajectories of
+    the 60 train tasks through the MCP server (lopd_cli/envs/tau_retail.py)."""
+    import json
+
+    import yaml
+
+    from lopd_cli.config import load_recipe
+    from lopd_cli.envs.tau_retail import gold_records
+    from lopd_cli.project import PROJECT_FILE
+
+    project.settings.recipe = "tau-retail"
+    (project.root / PROJECT_FILE).write_text(yaml.safe_dump(project.settings.model_dump(), sort_keys=False))
+    records = gold_records(load_recipe(project.recipes_dir / "tau-retail.yaml"), "train")
+    out = project.root / TAU_RETAIL_LOGS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
