@@ -178,7 +178,7 @@ def verdict_lines(gaps: dict[str, Gap], spread: float, min_spread: float = 0.02)
     elif text.above_zero:
         beats = (f"only with text: references as text beat the student by {_fmt_gap(text)}, the latents do not "
                  f"({_fmt_gap(learned)}); LOPD is unlikely to gain with this composer: rerun `lopd coldstart` with "
-                 f"another coldstart.seed or more steps (see the README's \"Reconstruction in cold start\")")
+                 f"another coldstart.seed or more steps (docs/algorithm.md, \"Cold start\")")
     else:
         beats = (f"no: no teacher beats the student (text {_fmt_gap(text)}, latents {_fmt_gap(learned)}); "
                  "distilling toward it is unlikely to help")
