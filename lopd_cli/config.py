@@ -477,6 +477,10 @@ class KeyInfo:
 
 
 def _section_model(annotation: Any) -> type[Section] | None:
+    """The section class of a field: a Section, or an optional one (`McpSection | None`)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        subs = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = subs[0] if len(subs) == 1 else None
     return annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
 
 

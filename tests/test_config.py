@@ -130,5 +130,10 @@ def test_every_packaged_recipe_validates_and_its_env_loads():
     for p in paths:
         r = load_recipe(p)
         assert r.name == p.stem, p
-        if "bfcl" not in p.stem:  # bfcl-eval is an optional extra
+        if r.env.mcp is not None:  # an MCP world: the server starts, the tasks load
+            from lopd_cli.agent.runner import make_env_factory
+
+            r.source = p
+            assert make_env_factory(r)().tasks("test")
+        elif "bfcl" not in p.stem:  # bfcl-eval is an optional extra
             assert callable(load_env_class(r.env.cls, p.parent).tasks)

@@ -3,6 +3,8 @@
 and every shipped recipe passes `lopd recipe check`."""
 
 import json
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,8 @@ def walk(model: type[Section] = Recipe, prefix: str = ""):
             continue
         key = prefix + (field.alias or name)
         ann = field.annotation
+        if typing.get_origin(ann) in (typing.Union, types.UnionType):  # an optional section: env.mcp
+            ann = next((a for a in typing.get_args(ann) if a is not type(None)), ann)
         if isinstance(ann, type) and issubclass(ann, Section):
             yield from walk(ann, key + ".")
         else:
@@ -56,7 +60,8 @@ def other_value(default):
 
 
 def test_every_key_and_section_has_a_one_line_description():
-    assert len(LEAVES) == 122  # 107 + the 13 evolve keys + train.parallel + train.activation_checkpointing
+    assert len(LEAVES) == 137  # 107 + the 13 evolve keys + train.parallel + train.activation_checkpointing
+    # + env.mcp's 13 keys and its reset hook's 2
     for key, field in LEAVES.items():
         d = field.description or ""
         assert d.strip() and "\n" not in d and len(d) <= 140, key
@@ -225,10 +230,12 @@ def test_explained_defaults_are_the_values_a_recipe_gets():
     from lopd_cli.config import _yaml_value
 
     recipe = Recipe.model_validate(BASE)
+    mcp = Recipe.model_validate({**BASE, "env": {"mcp": {"command": "server", "tasks": "t.jsonl",
+                                                         "reset": {"tool": "reset"}}}})
     for info in recipe_keys():
-        if info.is_section or info.default == "(required)":
+        if info.is_section or info.default == "(required)" or info.key in ("env.class", "env.mcp.command"):  # set here
             continue
-        node = recipe
+        node = mcp if info.key.startswith("env.mcp.") else recipe
         for part in info.key.split("."):
             node = getattr(node, "cls" if part == "class" else part)
         assert info.default == _yaml_value(node), info.key

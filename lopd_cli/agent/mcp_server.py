@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -114,6 +115,8 @@ class McpServer:
     def ensure_started(self) -> None:
         with self._lock:
             if not self.alive:
+                if self._holder is not None:  # it ended on its own: episodes begun on it lost their state
+                    self.generation += 1
                 self._start()
 
     def _start(self) -> None:
@@ -254,6 +257,25 @@ def _reason(e: BaseException) -> str:
         return "; ".join(_reason(x) for x in e.exceptions)
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class _OneLineStdoutNoise(logging.Filter):
+    """The SDK logs a full traceback for every line a stdio server writes to stdout that is not
+    JSON-RPC (a print() banner, a library's log); this makes each one line saying what to fix."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.getMessage().startswith("Failed to parse JSONRPC message"):
+            exc = record.exc_info[1]
+            errors = getattr(exc, "errors", None)
+            line = errors()[0].get("input") if callable(errors) and errors() else str(exc).splitlines()[0]
+            record.msg = ("warning: the MCP server wrote a line to stdout that is not JSON-RPC, which lopd "
+                          "skips (a stdio server must log to stderr): %.200r")
+            record.args = (line,)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("mcp.client.stdio").addFilter(_OneLineStdoutNoise())
 
 
 _SERVERS: dict[ServerSpec, McpServer] = {}

@@ -110,9 +110,9 @@ def load_task_records(source: str, base_dir: Path) -> list[dict]:
     if path.is_file():
         key: tuple = (str(path), path.stat().st_mtime_ns)
         if key not in _TASKS_CACHE:
-            records = [check_task_record(r, w) for w, r in read_task_records(path)]
-            _check_unique(records, str(path))
-            _TASKS_CACHE[key] = records
+            located = [(w, check_task_record(r, w)) for w, r in read_task_records(path)]
+            _check_unique(located)
+            _TASKS_CACHE[key] = [r for _, r in located]
         return _TASKS_CACHE[key]
     if ":" in source and not source.endswith((".json", ".jsonl")):
         from lopd_cli.agent.plugins import load_object
@@ -120,19 +120,21 @@ def load_task_records(source: str, base_dir: Path) -> list[dict]:
         key = (source, str(base_dir))
         if key not in _TASKS_CACHE:
             fn = load_object(source, base_dir, what="env.mcp.tasks")
-            records = [check_task_record(r, f"env.mcp.tasks '{source}'[{i}]") for i, r in enumerate(fn())]
-            _check_unique(records, f"env.mcp.tasks '{source}'")
-            _TASKS_CACHE[key] = records
+            located = [(f"env.mcp.tasks '{source}'[{i}]", check_task_record(r, f"env.mcp.tasks '{source}'[{i}]"))
+                       for i, r in enumerate(fn())]
+            _check_unique(located)
+            _TASKS_CACHE[key] = [r for _, r in located]
         return _TASKS_CACHE[key]
     raise LopdError(f"env.mcp.tasks: {path} does not exist")
 
 
-def _check_unique(records: list[dict], where: str) -> None:
-    seen: set[str] = set()
-    for r in records:
+def _check_unique(located: list[tuple[str, dict]]) -> None:
+    """One line naming the second record of a task id (FILE:LINE), and where the first one is."""
+    seen: dict[str, str] = {}
+    for where, r in located:
         if str(r["id"]) in seen:
-            raise LopdError(f"{where}: task id {r['id']!r} appears twice")
-        seen.add(str(r["id"]))
+            raise LopdError(f"{where}: task id {r['id']!r} appears twice (first at {seen[str(r['id'])]})")
+        seen[str(r["id"])] = where
 
 
 # ---------------------------------------------------------------------------- templates
@@ -340,8 +342,8 @@ class McpEnv:
         tool = self._back.get(call.name, call.name)
         try:
             result = self.call_server(tool, dict(call.arguments))
-        except McpCallTimeout as e:
-            return f"ERROR: {e}"
+        except McpCallTimeout:  # named as the agent called it (not the server's name of a renamed tool)
+            return f"ERROR: {call.name} timed out after {self.section.call_timeout_s:g}s"
         return observation_text(result, self.section.observation)
 
     def reward(self, transcript: list[dict]) -> float:
@@ -381,5 +383,23 @@ def make_mcp_env_factory(section: Any, base_dir: Path, reward_spec: str | None) 
         reward_fn = load_reward_fn(reward_spec, base_dir)
     probe = McpEnv(section, base_dir, reward_fn, reward_spec)
     probe.tools()  # starts the server; checks hide_tools / rename_tools
-    load_task_records(section.tasks, base_dir)  # checks the task file
+    check_templates(section, load_task_records(section.tasks, base_dir))  # checks the task file
+    if reward_fn is None:  # McpEnv has no reward of its own: every episode would fail at its end
+        raise LopdError("env.mcp: no reward plugin: set the recipe's `reward:` to a function "
+                        "score(task, transcript, server), e.g. reward.py:score")
     return lambda: McpEnv(section, base_dir, reward_fn, reward_spec)
+
+
+def check_templates(section: Any, records: list[dict]) -> None:
+    """Every task has the data keys that the reset hook's arguments and the call arguments name: a
+    missing one is one line before any rollout, not a failed episode of that task in every run."""
+    templates = {"env.mcp.call_arguments": section.call_arguments}
+    if section.reset is not None:
+        templates["env.mcp.reset.arguments"] = section.reset.arguments
+    for rec in records:
+        task = Task(id=str(rec["id"]), instruction="", tools=[], data=dict(rec.get("data") or {}))
+        for key, value in templates.items():
+            try:
+                render(value, "e0", task)
+            except LopdError as e:
+                raise LopdError(f"{key}: {str(e).removeprefix('env.mcp: ')}") from None

@@ -126,7 +126,7 @@ def replay(calls: list[dict]) -> tuple[dict, list[str]]:
     db, errors = copy.deepcopy(server._base_db()), []
     for c in calls:
         try:
-            server._execute_tool(db, c["name"], dict(c["arguments"]))
+            server._execute_tool(db, c["name"], copy.deepcopy(dict(c["arguments"])))
         except Exception as e:  # noqa: BLE001 - a failing call is part of the trajectory
             errors.append(f"{c['name']}: {e}")
     return db, errors
