@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -169,6 +168,28 @@ def _weights(step_dir: Path) -> dict:
     return load_file(str(step_dir / "student" / "adapter_model.safetensors"))
 
 
+# `lopd ARGS…` that SIGKILLs itself after the first step of round 2's training.
+KILL_IN_ROUND_2_TRAINING = """
+import os, signal, sys
+from pathlib import Path
+import lopd_cli.train.loop as loop
+from lopd_cli.cli.main import run
+
+real_train = loop.train
+
+def train(project, recipe, run_dir, *a, on_step=None, **kw):
+    def step(row):
+        if on_step:
+            on_step(row)
+        if Path(run_dir).parent.name == "r02":
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real_train(project, recipe, run_dir, *a, on_step=step, **kw)
+
+loop.train = train
+run(sys.argv[1:])
+"""
+
+
 @pytest.mark.slow
 def test_sigkill_mid_round_then_resume_gives_the_uninterrupted_bank_and_incumbent(template, tmp_path):
     import torch
@@ -180,24 +201,21 @@ def test_sigkill_mid_round_then_resume_gives_the_uninterrupted_bank_and_incumben
     evolve(straight, "toolcall", sets, run="x", rounds=2, algo="sft", say=lambda s: None)
 
     env = {**os.environ, "LOPD_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "lopd_cli", "evolve", "-C", str(cut.root), "--recipe", "toolcall", "--algo", "sft",
-           "--rounds", "2", "--run", "x", *[a for s in sets for a in ("--set", s)]]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    args = ["evolve", "-C", str(cut.root), "--recipe", "toolcall", "--algo", "sft", "--rounds", "2", "--run", "x"]
+    cmd = [sys.executable, "-m", "lopd_cli", *args]
+    # The kill lands at a fixed point: SIGKILL after round 2's first training step, when round 2's
+    # rollouts are in the bank and its training run is half written. (Killing from here once the
+    # state showed round 2's bank stage raced the process: its training takes a second or two, so
+    # a late poll killed it after train:sft, or after it had finished.)
+    killed = subprocess.run([sys.executable, "-c", KILL_IN_ROUND_2_TRAINING, *args,
+                             *[a for s in sets for a in ("--set", s)]],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     run = cut.runs_dir / "x"
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:  # kill once round 2's rollouts are in the bank
-            st = _state(run)
-            if st and len(st["rounds"]) > 2 and "bank" in st["rounds"][2]["stages"]:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
     st = _state(run)
     assert not st["rounds"][2]["done"] and "train:sft" not in st["rounds"][2]["stages"], "killed mid-round"
-    res = subprocess.run([*cmd[:-2 * len(sets)], "--resume"], env=env, capture_output=True, text=True, timeout=600)
+    assert "bank" in st["rounds"][2]["stages"] and (run / "rounds" / "r02" / "train-sft").is_dir()
+    res = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
 
     a, b = _bank_rows(straight), _bank_rows(cut)

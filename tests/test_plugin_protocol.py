@@ -2,13 +2,14 @@
 returns the wrong thing gets one line naming the plugin, the method, the value and what is expected."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from lopd_cli.agent.env import coerce_tasks
 from lopd_cli.agent.plugins import load_env_class
-from lopd_cli.agent.types import Task
+from lopd_cli.agent.types import Task, ToolCall
 from lopd_cli.errors import LopdError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,10 +58,16 @@ def test_the_plugin_gets_its_own_dict_back_and_step_a_toolcall(tmp_path):
     # a bare function schema gets the OpenAI wrapper
     assert task.tools == [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     assert env.reset(task) == [{"role": "user", "content": "hi"}]
-    import sys
-    seen = next(m for n, m in sys.modules.items() if n.startswith("lopd_plugin_") and hasattr(m, "SEEN")).SEEN
+    # This test's own seen.py module (the one whose SEEN the plugin's methods append to), not the
+    # first module in sys.modules that has a SEEN: another test's plugin may have one too.
+    plugin = cls.__mro__[1]
+    module = sys.modules[plugin.__module__]
+    assert Path(module.__file__) == (tmp_path / "seen.py").resolve() and plugin.reset.__globals__ is vars(module)
+    seen = module.SEEN
     assert seen[-1] == {"id": 7, "instruction": "hi", "tools": [{"name": "f", "parameters": {}}], "data": {"k": 1}}
-    assert isinstance(env, cls.__mro__[1]) and cls.__name__ == "Env"
+    call = ToolCall(name="f", arguments={})
+    assert env.step(call) == "ok" and seen[-1] is call and len(seen) == 2
+    assert isinstance(env, plugin) and cls.__name__ == "Env"
 
 
 BAD_RETURNS = {
