@@ -3,8 +3,8 @@ calls, their validity, and the share of the task's gold actions the episode matc
 
 A gold action is matched when the episode made a call with the same name and the same arguments
 (compared as JSON); the share is over all gold actions of the episodes' tasks. A call is valid
-when it parsed and fit its schema (the runner's `invalid_tool_calls`) and the server did not
-answer it with an error.
+when it parsed and fit its schema (not among the runner's `invalid_tool_calls`); the server's
+error share is over valid calls that τ²'s tools answered with `Error: ...`.
 
     python benchmarks/tau_retail_diagnostics.py base_test.jsonl [sft_test.jsonl ...] [--out FILE.json]
 """
@@ -50,9 +50,9 @@ def diagnose(path: Path) -> dict:
         tid = r["task_id"].removeprefix("tau-retail-")
         calls = episode_calls(r["messages"])
         made = {k for k, _ in calls}
-        n_calls += len(calls) + r["meta"].get("invalid_tool_calls", 0)
+        n_calls += r["meta"].get("tool_calls", len(calls))  # the runner's count: every call, invalid ones too
         n_invalid += r["meta"].get("invalid_tool_calls", 0)
-        n_error += sum(obs.startswith(("Error", "ERROR")) for _, obs in calls)
+        n_error += sum(obs.startswith("Error") for _, obs in calls)  # τ²'s own errors; lopd's are "ERROR: "
         gold = [_key(a["name"], a["arguments"]) for a in by_id[tid]["evaluation_criteria"]["actions"] or []]
         gold_total += len(gold)
         gold_matched += sum(g in made for g in gold)
