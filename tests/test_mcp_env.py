@@ -359,14 +359,14 @@ def test_a_slow_call_is_an_error_observation_and_the_next_call_works(world):
     env = world.factory(call_timeout_s=1.0, rename_tools={"add": "add_to_counter", "sleep": "nap"})()
     env.reset(world.task("t1"))
     pid = pid_of(env.step(ToolCall("total", {})))
+    # Bounds relative to the 12 s nap, not timings: a loaded CI machine stays far inside them.
     t0 = time.monotonic()
-    obs = env.step(ToolCall("nap", {"seconds": 6}))
+    obs = env.step(ToolCall("nap", {"seconds": 12}))
     took = time.monotonic() - t0
     assert obs == "ERROR: nap timed out after 1s", "the agent sees the name it called"
-    assert 0.9 <= took < 3.0, took
-    t0 = time.monotonic()
+    assert 0.9 <= took < 8.0, took
     assert json.loads(env.step(ToolCall("add_to_counter", {"n": 3}))) == {"ok": True, "value": 4, "pid": pid}
-    assert time.monotonic() - t0 < 2.5, "the next call does not wait for the slow one"
+    assert time.monotonic() - t0 < 11.0, "the next call does not wait for the slow one"
     assert env.reward([]) == 1.0
 
 
