@@ -351,6 +351,14 @@ class EvolveSection(Section):
         0, ge=0, description="LOPD: steps of a fresh cold start on the grown bank before each round's training; "
                              "0: keep the project's cold-start composer.")
     seed: int = Field(0, description="Seeds each round's task draw, sampling and training (with the round number).")
+    retain: list[str] = Field(
+        default_factory=list,
+        description="Retention worlds: recipes (names or paths) whose validation tasks each candidate is also scored "
+                    "on, to catch forgetting.")
+    retain_tolerance: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="Largest drop in a retention world's validation success, paired against the starting model, "
+                    "the gate accepts.")
 
 
 class Recipe(Section):

@@ -10,7 +10,9 @@
     d. validates the candidate greedily on the same validation tasks every round and gates it:
        it replaces the incumbent only when the paired difference of per-task success
        (candidate − incumbent, the same tasks) is ≥ 0. A rejected round's experience stays in
-       the bank.
+       the bank. With `evolve.retain` the candidate is also scored greedily on each retention
+       world's validation tasks, and a paired drop against the starting model beyond
+       `evolve.retain_tolerance` rejects it (a rise never does).
 
 It stops after `evolve.rounds`, before a round that would exceed `evolve.rollout_budget`, or
 after `evolve.patience` rounds without a rise of the incumbent's validation success.
@@ -101,6 +103,48 @@ def paired_gate(candidate: Sequence[bool], incumbent: Sequence[bool]) -> GateDec
     verdict = "accepted: not worse than the incumbent" if accepted else "rejected: worse than the incumbent"
     return GateDecision(accepted, iv, f"{verdict}, paired success difference {iv.estimate:+.3f}{ci} "
                                       f"on {iv.n} validation tasks")
+
+
+@dataclass(frozen=True)
+class RetentionCheck:
+    """A candidate on one retention world's validation tasks, paired against the starting model
+    (what the gate tests) and against the incumbent (what the round changed)."""
+
+    world: str
+    vs_start: Interval
+    vs_incumbent: Interval
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.vs_start.estimate >= -self.tolerance - 1e-12
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"vs_start": self.vs_start.to_dict(), "vs_incumbent": self.vs_incumbent.to_dict(),
+                "tolerance": self.tolerance, "ok": self.ok}
+
+
+def retention_check(world: str, candidate: Sequence[bool], start: Sequence[bool], incumbent: Sequence[bool],
+                    tolerance: float) -> RetentionCheck:
+    """Only a drop counts: a candidate whose retention rose always passes."""
+    if not (len(candidate) == len(start) == len(incumbent)) or not candidate:
+        raise ValueError(f"retention {world}: {len(candidate)} candidate, {len(start)} start and "
+                         f"{len(incumbent)} incumbent results")
+    diff = lambda a, b: mean_interval([float(x) - float(y) for x, y in zip(a, b)])  # noqa: E731
+    return RetentionCheck(world, diff(candidate, start), diff(candidate, incumbent), tolerance)
+
+
+def gate_with_retention(target: GateDecision, checks: Sequence[RetentionCheck]) -> GateDecision:
+    """The target gate, then every retention world: a drop beyond its tolerance against the
+    starting model rejects a candidate the target would accept."""
+    failed = [c for c in checks if not c.ok]
+    parts = [f"{c.world} {c.vs_start.estimate:+.3f} vs start" for c in checks]
+    if not failed:
+        return GateDecision(target.accepted, target.diff,
+                            target.reason + (f"; retention kept ({', '.join(parts)})" if checks else ""))
+    worst = ", ".join(f"{c.world} {c.vs_start.estimate:+.3f} vs start (tolerance −{c.tolerance:.3f})" for c in failed)
+    reason = f"rejected: forgets ({worst}); target: {target.reason}"
+    return GateDecision(False, target.diff, reason)
 
 
 def round_seed(seed: int, round_no: int) -> int:
@@ -229,6 +273,15 @@ class EvolveRun:
     def round_dir(self, k: int) -> Path:
         return self.run_dir / "rounds" / f"r{k:02d}"
 
+    @property
+    def retain(self) -> dict[str, Any]:
+        """The retention worlds' recipes by the names evolve.retain gives them (loaded once)."""
+        if "_retain" not in self.__dict__:
+            from lopd_cli.config import load_recipe
+
+            self.__dict__["_retain"] = {w: load_recipe(Path(p)) for w, p in self.state.get("retain", {}).items()}
+        return self.__dict__["_retain"]
+
     def record(self, k: int) -> dict:
         """The state's record of round k (created empty)."""
         rounds = self.state["rounds"]
@@ -343,12 +396,14 @@ def open_evolve(project, recipe: str | None = None, overrides: Sequence[str] = (
     if not (cfg.steps or r.train.steps):
         raise LopdError("evolve.steps: train.steps is 0, so a round would train nothing; set evolve.steps")
     start = _start_model(project, r)
+    retain = retain_worlds(project, r)
     state: dict[str, Any] = {
         "version": STATE_VERSION, "name": run_dir.name, "recipe": str(recipe_path), "overrides": list(overrides),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "rounds_wanted": rounds or cfg.rounds, "algo": algo, "start": start, "composer": None, "check": None,
         "check_file": None, "rounds": [], "incumbent": None, "rollouts_total": 0, "since_rise": 0,
         "winner": None, "winner_round": None, "stopped": None,
+        "retain": {w: str(p) for w, p in retain.items()}, "start_retain": None,
     }
     if algo == "auto":
         state["check"], f = newest_check(project)
@@ -367,6 +422,39 @@ def open_evolve(project, recipe: str | None = None, overrides: Sequence[str] = (
     (run_dir / "recipe.yaml").write_text(r.to_yaml())
     ev.save()
     return ev
+
+
+def world_label(name: str) -> str:
+    """A retention world's label (files and rows): the recipe's file stem."""
+    return Path(name).stem
+
+
+def retain_worlds(project, recipe) -> dict[str, Path]:
+    """evolve.retain's recipes, checked: each has validation tasks and the target's backbone."""
+    from lopd_cli.agent.runner import make_env_factory
+    from lopd_cli.config import load_recipe
+    from lopd_cli.project import find_recipe
+
+    out: dict[str, Path] = {}
+    for name in recipe.evolve.retain:
+        path = find_recipe(name, project)
+        w = world_label(name)
+        if w in out:
+            raise LopdError(f"evolve.retain: two retention worlds are named {w}")
+        r = load_recipe(path)
+        if r.model.backbone != recipe.model.backbone:
+            raise LopdError(f"evolve.retain: {path} uses the backbone {r.model.backbone}, the target "
+                            f"{recipe.model.backbone}; a retention world scores the same student")
+        try:
+            has_val = bool(make_env_factory(r)().tasks("validation"))
+        except LopdError:
+            raise
+        except Exception:  # noqa: BLE001 (an env that does not know the split)
+            has_val = False
+        if not has_val:
+            raise LopdError(f"evolve.retain: {path}: the environment {r.env.label} has no validation tasks")
+        out[w] = path
+    return out
 
 
 def _start_model(project, recipe) -> dict:
@@ -450,15 +538,16 @@ def _load_policy(run: EvolveRun, checkpoint: str | None):
     return load_policy(r, [r.base_dir, run.project.root], checkpoint=run.path(checkpoint))
 
 
-def _validate(run: EvolveRun, checkpoint: str | None, out: Path, label: str) -> dict:
-    """Greedy episodes of the policy on the gate's validation tasks, written to `out`."""
+def _validate(run: EvolveRun, checkpoint: str | None, out: Path, label: str, recipe=None) -> dict:
+    """Greedy episodes of the policy on the gate's validation tasks (of the target world, or of
+    a retention world's `recipe`), written to `out`."""
     import torch
 
     from lopd_cli.agent.runner import load_reward, make_env_factory, run_episodes
     from lopd_cli.results.evaluate import episode_figures, eval_tasks
     from lopd_cli.progress import counter
 
-    r = run.recipe
+    r = recipe or run.recipe
     env_factory = make_env_factory(r)
     tasks = eval_tasks(env_factory, "validation", run.cfg.val_n)
     model, tok, produced_by = _load_policy(run, checkpoint)
@@ -594,13 +683,18 @@ def run_evolve(run: EvolveRun, say: Say = print) -> EvolveResult:
     if st["incumbent"] is None:
         res = _stage(run, 0, "validate:start", lambda: _validate(
             run, st["start"]["checkpoint"], run.round_dir(0) / "validation-start.jsonl", "the starting model"), say)
+        kept = {w: _stage(run, 0, f"retain:start:{w}", lambda w=w: _validate(
+            run, st["start"]["checkpoint"], run.round_dir(0) / f"retain-{w}-start.jsonl", f"the starting model on {w}",
+            run.retain[w]), say) for w in run.retain}
+        st["start_retain"] = {w: v["successes"] for w, v in kept.items()}
         st["incumbent"] = {"round": 0, "method": "start", "checkpoint": st["start"]["checkpoint"],
-                           "successes": res["successes"], "success": res["success"]}
+                           "successes": res["successes"], "success": res["success"], "retain": st["start_retain"]}
         run.record(0)["done"] = True
         run.save()
         write_derived(run)
         say(f"round 0: the starting model ({st['start']['checkpoint'] or st['start']['model']}): "
-            f"validation success {_pct(res['success'])}")
+            f"validation success {_pct(res['success'])}"
+            + "".join(f"; retention {w} {_pct(v['success'])}" for w, v in kept.items()))
     while True:
         k = len([x for x in st["rounds"] if x["done"]])
         started = k < len(st["rounds"]) and bool(st["rounds"][k]["stages"])
@@ -651,22 +745,29 @@ def _run_round(run: EvolveRun, k: int, say: Say) -> None:
         _stage(run, k, "index", lambda: _index(run), say)
     if "lopd" in methods and run.cfg.refresh_composer:
         _stage(run, k, "coldstart", lambda: _coldstart(run, k), say)
-    vals = {}
+    vals, kept, checks = {}, {}, {}
     for m in methods:
         t = _stage(run, k, f"train:{m}", lambda m=m: _train(run, k, m, say), say)
         vals[m] = _stage(run, k, f"validate:{m}", lambda m=m, t=t: _validate(
             run, t["checkpoint"], run.round_dir(k) / f"validation-{m}.jsonl", f"round {k} {m}"), say)
-    best = max(methods, key=lambda m: (vals[m]["success"]["mean"], -methods.index(m)))
+        kept[m] = {w: _stage(run, k, f"retain:{m}:{w}", lambda m=m, t=t, w=w: _validate(
+            run, t["checkpoint"], run.round_dir(k) / f"retain-{w}-{m}.jsonl", f"round {k} {m} on {w}",
+            run.retain[w]), say) for w in run.retain}
+        checks[m] = [retention_check(w, kept[m][w]["successes"], st["start_retain"][w],
+                                     st["incumbent"]["retain"][w], run.cfg.retain_tolerance) for w in run.retain]
+    # A candidate that keeps its retention beats one that forgets; then validation success.
+    best = max(methods, key=lambda m: (all(c.ok for c in checks[m]), vals[m]["success"]["mean"], -methods.index(m)))
 
     def gate() -> dict:
         inc = st["incumbent"]
-        d = paired_gate(vals[best]["successes"], inc["successes"])
+        d = gate_with_retention(paired_gate(vals[best]["successes"], inc["successes"]), checks[best])
         rose = d.accepted and vals[best]["success"]["mean"] > inc["success"]["mean"]
         out = {**d.to_dict(), "method": best, "incumbent_before": inc["round"],
-               "incumbent_success": inc["success"]}
+               "incumbent_success": inc["success"], "retention": {c.world: c.to_dict() for c in checks[best]}}
         if d.accepted:
             st["incumbent"] = {"round": k, "method": best, "checkpoint": rec["stages"][f"train:{best}"]["checkpoint"],
-                               "successes": vals[best]["successes"], "success": vals[best]["success"]}
+                               "successes": vals[best]["successes"], "success": vals[best]["success"],
+                               "retain": {w: v["successes"] for w, v in kept[best].items()}}
         st["since_rise"] = 0 if rose else st["since_rise"] + 1
         if len(methods) > 1:
             st["winner"], st["winner_round"] = best, k
@@ -676,8 +777,9 @@ def _run_round(run: EvolveRun, k: int, say: Say) -> None:
     g = _stage(run, k, "gate", gate, say)
     write_derived(run)
     others = ", ".join(f"{m} {_pct(vals[m]['success'])}" for m in methods if m != best)
+    kept_line = "".join(f"; retention {w} {_pct(v['success'])}" for w, v in kept[best].items())
     say(f"round {k}: {best} validation success {_pct(vals[best]['success'])}"
-        + (f" (beat {others})" if others else "") + f"; {g['reason']}")
+        + (f" (beat {others})" if others else "") + kept_line + f"; {g['reason']}")
 
 
 # ----------------------------------------------------------------------------- derived files
@@ -691,6 +793,7 @@ def round_row(run: EvolveRun, rec: dict) -> dict:
         v = s["validate:start"]
         return {"round": 0, "method": "start", "checkpoint": run.state["start"]["checkpoint"], "rollouts": 0,
                 "rollouts_total": 0, "validation": v["success"], "incumbent_validation": v["success"],
+                "retention": {w: {"success": s[f"retain:start:{w}"]["success"]} for w in run.state.get("retain", {})},
                 "accepted": True, "reason": "the starting model", "incumbent_round": 0, "seconds": seconds}
     g = s["gate"]
     best = g["method"]
@@ -704,6 +807,8 @@ def round_row(run: EvolveRun, rec: dict) -> dict:
         "successes_added": s["bank"]["successes_added"], "duplicates": s["bank"]["duplicates"],
         "validation": s[f"validate:{best}"]["success"],
         "candidates": {m: s[f"validate:{m}"]["success"] for m in rec["methods"]},
+        "retention": {w: {"success": s[f"retain:{best}:{w}"]["success"], **c}
+                      for w, c in g.get("retention", {}).items()},
         "incumbent_validation_before": g["incumbent_success"], "paired_diff": g["paired_diff"],
         "accepted": g["accepted"], "reason": g["reason"], "seconds": seconds,
     }

@@ -298,6 +298,18 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Report:
 # ----------------------------------------------------------------------------- evolve runs
 
 
+def _retention_cell(retention: dict) -> str:
+    """`bfcl 40.0 % (−2.5)`: a world's validation success and its paired change against the start."""
+    if not retention:
+        return "-"
+    cells = []
+    for w, v in retention.items():
+        vs = v.get("vs_start")
+        cells.append(f"{w} {100 * v['success']['mean']:.1f} %" + (f" ({100 * vs['mean']:+.1f})" if vs else "")
+                     + ("" if v.get("ok", True) else " forgets"))
+    return "; ".join(cells)
+
+
 def build_evolve_report(run_dirs: Sequence[Path]) -> Report:
     """`lopd report runs/EVOLVE`: each round's validation success (95 % Wilson interval; hollow
     markers: rejected candidates) and the incumbent's, against rounds and against rollouts."""
@@ -311,7 +323,7 @@ def build_evolve_report(run_dirs: Sequence[Path]) -> Report:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
     header = ["run", "round", "method", "rollouts", "bank rows", "successes added", "duplicates",
-              "validation success (95 % CI)", "paired diff (95 % CI)", "accepted"]
+              "validation success (95 % CI)", "paired diff (95 % CI)", "retention: success, vs start", "accepted"]
     rows, series, final = [], {"evolve/validation_by_round": [], "evolve/validation_by_rollouts": []}, {}
     for i, d in enumerate(run_dirs):
         rounds = read_rounds(d)
@@ -336,6 +348,13 @@ def build_evolve_report(run_dirs: Sequence[Path]) -> Report:
             ax.step(xs, incumbent, where="post", color=colour, label=f"{name}: incumbent")
             series[key].append(Series(name, [float(x) for x in xs], means, [v["low"] for v in val],
                                       [v["high"] for v in val], seeds=1))
+            for w in rounds[0].get("retention", {}):  # the candidates' retention, dashed
+                kept = [r["retention"][w]["success"] for r in rounds]
+                ax.plot(xs, [v["mean"] for v in kept], "--", marker="x", color=colour, alpha=0.7,
+                        label=f"{name}: retention {w}")
+                series.setdefault(f"{key}/retain/{w}", []).append(Series(
+                    name, [float(x) for x in xs], [v["mean"] for v in kept], [v["low"] for v in kept],
+                    [v["high"] for v in kept], seeds=1))
         for r in rounds:
             pd = r.get("paired_diff")
             rows.append([name, str(r["round"]), r["method"], str(r["rollouts_total"]), str(r.get("bank_size", "-")),
@@ -343,7 +362,7 @@ def build_evolve_report(run_dirs: Sequence[Path]) -> Report:
                          fmt_interval(Interval(r["validation"]["mean"], r["validation"]["low"], r["validation"]["high"],
                                                r["validation"]["n"]), percent=True),
                          "-" if not pd else fmt_interval(Interval(pd["mean"], pd["low"], pd["high"], pd["n"])),
-                         "yes" if r["accepted"] else "no"])
+                         _retention_cell(r.get("retention") or {}), "yes" if r["accepted"] else "no"])
         last = rounds[-1]
         final[name] = {"rounds": len(rounds) - 1, "incumbent_round": last["incumbent_round"],
                        "incumbent_validation": inc_by_round[last["incumbent_round"]]["validation"],
