@@ -296,9 +296,11 @@ class TrainSection(Section):
     init_from: str | None = Field(
         None,
         description="Warm start: a run (runs/RUN) or checkpoint folder whose student starts this run; optimisers start fresh.")
-    teacher: Literal["base", "init", "live"] = Field(
+    teacher: Literal["base", "init", "live", "ema"] = Field(
         "base",
-        description="LOPD/OPSD teacher: base (the frozen backbone), init (init_from's student, frozen) or live (the student's current weights).")
+        description="Teacher: base (frozen backbone), init (init_from's student, frozen), live (the student) or ema (its moving average).")
+    teacher_ema_rate: float = Field(
+        0.05, gt=0.0, le=1.0, description="train.teacher=ema: the fraction of the way to the student the teacher moves each step.")
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="Under torchrun: ddp (data parallel, whole model per rank) or fsdp (FSDP2: weights, grads, optimiser states sharded between steps).")

@@ -15,7 +15,8 @@ states, the task sampler's position and the counters. `train.init_from` starts t
 another run's (student.py `warm_start`); the optimisers start fresh. With `train.teacher: init`
 that student, merged, becomes the run's backbone and so its teacher (`init_teacher_backbone`).
 A full student's teacher ("base", "init") is a frozen copy of the weights it starts from
-(`Trainer.teacher`); `train.teacher: live` makes the student its own teacher.
+(`Trainer.teacher`); `train.teacher: live` makes the student its own teacher, and `ema` a moving
+average of it (train/ema_teacher.py).
 
 Under torchrun / accelerate launch each rank rolls out its share of the step's tasks and the
 gradients are summed over ranks (train/distributed.py); in one process every helper there is
@@ -92,6 +93,7 @@ class Trainer:
     backbone_path: str = ""
     nograd_latents: Any = None  # step.NoGradLatents: no-grad c_φ per (task, item) while φ is unchanged
     teacher: Any = None  # a full student's frozen teacher copy (`teacher_copy_needed`); None: the teacher is a view of `model`
+    ema: Any = None  # ema_teacher.EmaTeacher under train.teacher=ema
     sharding: Any = None  # sharding.Sharding under train.parallel=fsdp
     extra: dict = field(default_factory=dict)
 
@@ -108,6 +110,9 @@ class Trainer:
     def trains_composer(self) -> bool:
         return self.algo == "lopd" and not self.recipe.train.lopd.freeze_composer
 
+
+# The algorithms whose loss is distillation from a teacher (train.teacher applies).
+DISTILLS = ("lopd", "opsd")
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -162,12 +167,18 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
 
         warnings.warn(msg, LopdWarning, stacklevel=2)
     seed_everything(t.seed)
+    if t.teacher == "ema" and t.parallel == "fsdp" and dist.is_distributed():
+        raise LopdError("train.teacher=ema: not available under train.parallel=fsdp yet (use ddp)")
     search = [recipe.base_dir, project.root]
     backbone = str(init_teacher_backbone(project, recipe, run_dir)) if t.teacher == "init" else recipe.model.backbone
     model, tok = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search)
     if resolve_autocast(recipe.model.autocast_bf16, model_device(model)):
         warn_if_slow_bf16("model.autocast_bf16=true", model_device(model))
     model = ad.attach_adapters(model, recipe)
+    if t.teacher == "ema" and recipe.model.student == "lora":
+        from lopd_cli.train.ema_teacher import add_teacher_adapter
+
+        add_teacher_adapter(model, recipe.model.lora)
     trainable = [ad.BASE if recipe.model.student == "full" else ad.STUDENT]
     if t.algo == "lopd" and not t.lopd.freeze_composer:
         trainable.append(ad.ENCODER)
@@ -200,6 +211,13 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
         rng = ckpt.rng_state()  # loading the copy must not shift what the run samples
         tr.teacher = load_teacher_copy(backbone, recipe, search)
         ckpt.set_rng_state(rng)
+    if t.teacher == "ema" and t.algo in DISTILLS:
+        from lopd_cli.train import ema_teacher
+
+        pairs = (ema_teacher.full_pairs(tr.teacher, model) if recipe.model.student == "full"
+                 else ema_teacher.lora_pairs(model))
+        tr.ema = ema_teacher.EmaTeacher(pairs, t.teacher_ema_rate)
+        tr.ema.reset()
     apply_activation_checkpointing(tr)
     return tr
 
@@ -223,7 +241,7 @@ def apply_activation_checkpointing(tr: Trainer) -> None:
 def teacher_copy_needed(recipe: Recipe) -> bool:
     """A full student's LOPD/OPSD teacher ("base", "init") is a frozen copy of the weights the
     student starts from: the student's own base weights move with every step ("live")."""
-    return recipe.model.student == "full" and recipe.train.algo in ("lopd", "opsd") and recipe.train.teacher != "live"
+    return recipe.model.student == "full" and recipe.train.algo in DISTILLS and recipe.train.teacher != "live"
 
 
 def load_teacher_copy(backbone: str, recipe: Recipe, search: list) -> Any:
@@ -408,6 +426,8 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
     row.update(grad_norm_student=student_norm, grad_norm_composer=composer_norm if phi_step else None)
     if finite:
         tr.student_opt.step()
+        if tr.ema is not None:
+            tr.ema.update()
         if phi_step:
             tr.composer_opt.step()
             if tr.nograd_latents is not None:
@@ -533,6 +553,7 @@ def save(tr: Trainer) -> Path:
         "composer_opt": tr.composer_opt.state_dict() if tr.composer_opt and tr.sharding is None else None,
         "composer_sched": tr.composer_sched.state_dict() if tr.composer_sched else None,
         "rng": ckpt.rng_state(), "sft_ids": tr.extra.get("sft_ids"),
+        "ema_teacher": tr.ema.state_dict() if tr.ema is not None else None,
     }
     if tr.sharding is not None:
         tmp = tr.run_dir / "checkpoints" / f".step_{tr.state.step}.{sharding.SHARDED_DIR}.tmp"
@@ -597,6 +618,10 @@ def restore(tr: Trainer, step_dir: Path) -> None:
     if tr.composer_sched is not None and state.get("composer_sched"):
         tr.composer_sched.load_state_dict(state["composer_sched"])
     tr.extra["sharded_optimizers"] = state.get("sharded_optimizers")
+    if tr.ema is not None:
+        if state.get("ema_teacher") is None:
+            raise LopdError(f"{step_dir}: train.teacher=ema but the checkpoint holds no EMA teacher")
+        tr.ema.load_state_dict(state["ema_teacher"])
     tr.state.step = state["step"]
     tr.state.beta = state["beta"]
     tr.state.rollouts_total = state["rollouts_total"]
@@ -668,6 +693,8 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
         rng = ckpt.rng_state()  # loading the source must not shift what the run samples
         tr.extra["init_from"] = warm_start(tr.model, init, recipe.train.init_from, [recipe.base_dir, project.root])
         ckpt.set_rng_state(rng)
+        if tr.ema is not None:
+            tr.ema.reset()  # the EMA teacher starts from the warm-started student
     if dist.is_distributed():  # what DDP does at construction: start from rank 0's weights
         comp = [p for g in tr.composer_opt.param_groups for p in g["params"]] if tr.composer_opt else []
         dist.broadcast_parameters(_student_params(tr.model) + comp)

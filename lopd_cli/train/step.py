@@ -44,7 +44,7 @@ import torch
 
 from lopd_cli.agent.types import Episode
 from lopd_cli.compose.latent import build_teacher_batch, output_head, teacher_hidden
-from lopd_cli.models.adapters import use_student
+from lopd_cli.models.adapters import use_encoder, use_student
 from lopd_cli.train import distributed as dist
 from lopd_cli.train import losses
 from lopd_cli.train.batch import BatchTotals, StudentBatch, collate, student_hidden, to_student_layout
@@ -89,6 +89,7 @@ class StepSetup:
     # through the student's view (its current weights) instead of with the adapters off.
     teacher_model: object | None = None
     teacher_live: bool = False
+    teacher_adapter: str | None = None  # a LoRA student's EMA teacher: the adapter the teacher pass runs under
     # When set, the composer pass's backward reaches only these parameters (φ): a live teacher, or
     # a full student's encoder pass over its own base, puts the student's weights in that graph,
     # and the composer objective must not train them.
@@ -247,7 +248,7 @@ def prepare_batch(setup: StepSetup, episodes: Sequence[Episode], refs: Sequence[
     return StepBatch(
         episodes=episodes, refs=refs, full=full, pad=pad, device=next(model.parameters()).device,
         head=output_head(model), teacher=tmodel, teacher_head=output_head(tmodel),
-        teacher_view=use_student if setup.teacher_live else None, lopd=lopd,
+        teacher_view=_teacher_view(setup), lopd=lopd,
         n_seq_total=max(1, totals.n_sequences if totals else full.n_sequences),
         n_tok_total=max(1, totals.n_tokens if totals else full.n_tokens),
         c_seq_total=max(1, ctot.n_sequences if ctot else full.n_sequences),
@@ -260,6 +261,14 @@ def prepare_batch(setup: StepSetup, episodes: Sequence[Episode], refs: Sequence[
         controls=control_references(episodes, refs) if setup.privilege_gate else None,
         nograd=setup.nograd_latents if setup.nograd_latents is not None else NoGradLatents(),
     )
+
+
+def _teacher_view(setup: StepSetup) -> Callable | None:
+    if setup.teacher_live:
+        return use_student
+    if setup.teacher_adapter is not None:
+        return lambda m: use_encoder(m, setup.teacher_adapter)
+    return None
 
 
 def micro_batches(batch: StepBatch, rows: list[int], size: int) -> Iterator[MicroBatch]:
@@ -533,7 +542,15 @@ def step_setup(tr: Trainer, rows: list[bool] | None = None, composer_totals: Bat
         composer_rows=rows, composer_totals=composer_totals, nograd_latents=tr.nograd_latents,
         privilege_gate=t.distill.privilege_gate, composer_micro_batch=t.lopd.composer_micro_batch,
         teacher_model=tr.teacher, teacher_live=t.teacher == "live", composer_leaves=composer_leaves(tr),
+        teacher_adapter=ema_adapter(tr),
     )
+
+
+def ema_adapter(tr: Trainer) -> str | None:
+    """The adapter a LoRA student's EMA teacher lives in (train/ema_teacher.py); None otherwise."""
+    from lopd_cli.train.ema_teacher import TEACHER
+
+    return TEACHER if tr.ema is not None and tr.teacher is None else None
 
 
 def composer_leaves(tr: Trainer) -> Callable[[], list] | None:
