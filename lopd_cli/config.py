@@ -269,9 +269,9 @@ class SftSection(Section):
 
 
 class TrainSection(Section):
-    algo: Literal["lopd", "grpo", "opsd", "sft"] = Field(
+    algo: Literal["lopd", "grpo", "opsd", "distill", "sft"] = Field(
         "lopd",
-        description="Training algorithm: lopd, grpo, opsd (references as text) or sft (`lopd train --algo` sets it).")
+        description="Training algorithm: lopd, grpo, opsd (references as text), distill (no context) or sft (`--algo`).")
     steps: int = Field(100, ge=0, description="Training steps; a resumed run continues up to this many.")
     lr: float = Field(1e-4, gt=0, description="Student learning rate (AdamW).")
     seed: int = Field(0, description="Seed of the run: task order, rollouts, the composer rows' draw.")
@@ -299,6 +299,8 @@ class TrainSection(Section):
     teacher: Literal["base", "init", "live", "ema"] = Field(
         "base",
         description="Teacher: base (frozen backbone), init (init_from's student, frozen), live (the student) or ema (its moving average).")
+    teacher_from: str | None = Field(
+        None, description="A run or checkpoint whose student, frozen, is the teacher (a copy beside the student); null: train.teacher.")
     teacher_ema_rate: float = Field(
         0.05, gt=0.0, le=1.0, description="train.teacher=ema: the fraction of the way to the student the teacher moves each step.")
     parallel: Literal["ddp", "fsdp"] = Field(
@@ -357,6 +359,9 @@ class EvolveSection(Section):
         default_factory=list,
         description="Retention worlds: recipes (names or paths) whose validation tasks each candidate is also scored "
                     "on, to catch forgetting.")
+    recover_steps: int = Field(
+        0, ge=0, description="Steps of on-policy distillation from the frozen starting model on the retention worlds "
+                             "after each round's training; 0: off.")
     retain_tolerance: float = Field(
         0.05, ge=0.0, le=1.0,
         description="Largest drop in a retention world's validation success, paired against the starting model, "

@@ -12,7 +12,10 @@
        (candidate − incumbent, the same tasks) is ≥ 0. A rejected round's experience stays in
        the bank. With `evolve.retain` the candidate is also scored greedily on each retention
        world's validation tasks, and a paired drop against the starting model beyond
-       `evolve.retain_tolerance` rejects it (a rise never does).
+       `evolve.retain_tolerance` rejects it (a rise never does). With `evolve.recover_steps`
+       each candidate first goes through a recovery phase in each retention world: on-policy
+       distillation (`train.algo: distill`) from the frozen starting model on that world's
+       training tasks (`_recover`); the recovered student is the one validated and gated.
 
 It stops after `evolve.rounds`, before a round that would exceed `evolve.rollout_budget`, or
 after `evolve.patience` rounds without a rise of the incumbent's validation success.
@@ -364,8 +367,9 @@ def _round_methods(run: EvolveRun, k: int) -> tuple[list[str], str | None]:
 
 def _round_cost(run: EvolveRun, env_factory, k: int) -> int:
     methods, _ = _round_methods(run, k)
+    recovery = run.cfg.recover_steps * sum(r.rollout.rollouts_per_step for r in run.retain.values())
     return round_cost(len(_train_tasks_of_round(env_factory, run.cfg, k)), methods, run.steps,
-                      run.recipe.rollout.rollouts_per_step)
+                      run.recipe.rollout.rollouts_per_step) + len(methods) * recovery
 
 
 def open_evolve(project, recipe: str | None = None, overrides: Sequence[str] = (), run: str | None = None,
@@ -445,6 +449,9 @@ def retain_worlds(project, recipe) -> dict[str, Path]:
         if r.model.backbone != recipe.model.backbone:
             raise LopdError(f"evolve.retain: {path} uses the backbone {r.model.backbone}, the target "
                             f"{recipe.model.backbone}; a retention world scores the same student")
+        if recipe.evolve.recover_steps and (r.model.student, r.model.lora) != (recipe.model.student, recipe.model.lora):
+            raise LopdError(f"evolve.recover_steps: {path} trains a different student (model.student / model.lora) "
+                            "than the target; the recovery phase continues the target's candidate in it")
         try:
             has_val = bool(make_env_factory(r)().tasks("validation"))
         except LopdError:
@@ -663,6 +670,34 @@ def _train(run: EvolveRun, k: int, method: str, say: Say) -> dict:
     return {"run": run.rel(out), "checkpoint": run.rel(resolve_checkpoint(out)), "rollouts": spent}
 
 
+def _recover(run: EvolveRun, k: int, method: str, world: str, checkpoint: str) -> dict:
+    """The recovery phase in one retention world: `distill` (on-policy distillation, no
+    privileged context) of the candidate on the world's training tasks, with the frozen starting
+    model as the teacher (its student via train.teacher_from, or the plain backbone)."""
+    from lopd_cli.config import load_recipe
+    from lopd_cli.progress import counter
+    from lopd_cli.train.checkpoint import resolve_checkpoint
+    from lopd_cli.train.loop import train
+
+    cfg = run.cfg
+    out = run.round_dir(k) / f"recover-{method}-{world}"
+    shutil.rmtree(out, ignore_errors=True)
+    start = run.state["start"]["checkpoint"]
+    prior = run.state["rollouts_total"]
+    over = ["train.algo=distill", f"train.steps={cfg.recover_steps}", f"train.seed={round_seed(cfg.seed, k)}",
+            f"train.save_every={cfg.recover_steps}", "train.eval_every=0", f"train.init_from={run.path(checkpoint)}",
+            f"train.prior_rollouts={prior}", "train.teacher=base",
+            f"train.teacher_from={run.path(start) if start else 'null'}"]
+    r = load_recipe(run.state["retain"][world], over)
+    with counter(f"round {k}: recovery on {world}", cfg.recover_steps) as tick:
+        tr = train(run.project, r, out, on_step=lambda row: tick(1))
+    spent = tr.state.rollouts_total - prior
+    del tr
+    _free()
+    run.state["rollouts_total"] += spent
+    return {"run": run.rel(out), "checkpoint": run.rel(resolve_checkpoint(out)), "rollouts": spent}
+
+
 # ----------------------------------------------------------------------------- rounds
 
 
@@ -745,13 +780,18 @@ def _run_round(run: EvolveRun, k: int, say: Say) -> None:
         _stage(run, k, "index", lambda: _index(run), say)
     if "lopd" in methods and run.cfg.refresh_composer:
         _stage(run, k, "coldstart", lambda: _coldstart(run, k), say)
-    vals, kept, checks = {}, {}, {}
+    vals, kept, checks, cand = {}, {}, {}, {}
     for m in methods:
         t = _stage(run, k, f"train:{m}", lambda m=m: _train(run, k, m, say), say)
-        vals[m] = _stage(run, k, f"validate:{m}", lambda m=m, t=t: _validate(
-            run, t["checkpoint"], run.round_dir(k) / f"validation-{m}.jsonl", f"round {k} {m}"), say)
-        kept[m] = {w: _stage(run, k, f"retain:{m}:{w}", lambda m=m, t=t, w=w: _validate(
-            run, t["checkpoint"], run.round_dir(k) / f"retain-{w}-{m}.jsonl", f"round {k} {m} on {w}",
+        ck = t["checkpoint"]
+        for w in run.retain if run.cfg.recover_steps else ():
+            rv = _stage(run, k, f"recover:{m}:{w}", lambda m=m, w=w, ck=ck: _recover(run, k, m, w, ck), say)
+            ck = rv["checkpoint"]
+        cand[m] = ck
+        vals[m] = _stage(run, k, f"validate:{m}", lambda m=m, ck=ck: _validate(
+            run, ck, run.round_dir(k) / f"validation-{m}.jsonl", f"round {k} {m}"), say)
+        kept[m] = {w: _stage(run, k, f"retain:{m}:{w}", lambda m=m, ck=ck, w=w: _validate(
+            run, ck, run.round_dir(k) / f"retain-{w}-{m}.jsonl", f"round {k} {m} on {w}",
             run.retain[w]), say) for w in run.retain}
         checks[m] = [retention_check(w, kept[m][w]["successes"], st["start_retain"][w],
                                      st["incumbent"]["retain"][w], run.cfg.retain_tolerance) for w in run.retain]
@@ -762,10 +802,10 @@ def _run_round(run: EvolveRun, k: int, say: Say) -> None:
         inc = st["incumbent"]
         d = gate_with_retention(paired_gate(vals[best]["successes"], inc["successes"]), checks[best])
         rose = d.accepted and vals[best]["success"]["mean"] > inc["success"]["mean"]
-        out = {**d.to_dict(), "method": best, "incumbent_before": inc["round"],
+        out = {**d.to_dict(), "method": best, "checkpoint": cand[best], "incumbent_before": inc["round"],
                "incumbent_success": inc["success"], "retention": {c.world: c.to_dict() for c in checks[best]}}
         if d.accepted:
-            st["incumbent"] = {"round": k, "method": best, "checkpoint": rec["stages"][f"train:{best}"]["checkpoint"],
+            st["incumbent"] = {"round": k, "method": best, "checkpoint": cand[best],
                                "successes": vals[best]["successes"], "success": vals[best]["success"],
                                "retain": {w: v["successes"] for w, v in kept[best].items()}}
         st["since_rise"] = 0 if rose else st["since_rise"] + 1
@@ -797,10 +837,10 @@ def round_row(run: EvolveRun, rec: dict) -> dict:
                 "accepted": True, "reason": "the starting model", "incumbent_round": 0, "seconds": seconds}
     g = s["gate"]
     best = g["method"]
-    spent = s["rollouts"]["n"] + sum(s[f"train:{m}"]["rollouts"] for m in rec["methods"])
+    spent = s["rollouts"]["n"] + sum(v["rollouts"] for name, v in s.items() if name.startswith(("train:", "recover:")))
     return {
         "round": rec["round"], "method": best, "methods": rec["methods"], "auto": rec.get("auto"),
-        "checkpoint": s[f"train:{best}"]["checkpoint"],
+        "checkpoint": g.get("checkpoint", s[f"train:{best}"]["checkpoint"]),
         "rollouts": spent, "rollouts_total": None,  # filled in by write_derived
         "rollout_successes": s["rollouts"]["successes"], "bank_size": s["bank"]["bank_size"],
         "bank_successes": s["bank"]["bank_successes"], "added": s["bank"]["added"],

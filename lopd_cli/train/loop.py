@@ -112,7 +112,7 @@ class Trainer:
 
 
 # The algorithms whose loss is distillation from a teacher (train.teacher applies).
-DISTILLS = ("lopd", "opsd")
+DISTILLS = ("lopd", "opsd", "distill")
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -192,7 +192,7 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
         student_opt=student_opt, state=TrainState(beta=t.lopd.beta0, sampler=TaskSampler(len(tasks), t.seed)),
         backbone_path=str(Path(resolve_backbone(backbone, search)).resolve()),
     )
-    if t.algo in ("lopd", "opsd"):
+    if t.algo in ("lopd", "opsd"):  # the methods whose teacher sees retrieved experience
         from lopd_cli.bank.retrieve import Retriever
 
         tr.retriever = Retriever.open(project, recipe)
@@ -207,7 +207,11 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
     if prior is None:
         prior = lopd_generated_rollouts(project, recipe) if t.algo in ("lopd", "opsd", "sft") else 0
     tr.state.rollouts_total = prior
-    if teacher_copy_needed(recipe):
+    if t.teacher_from and t.algo in DISTILLS:
+        rng = ckpt.rng_state()
+        tr.teacher = load_teacher_from(project, recipe)
+        ckpt.set_rng_state(rng)
+    elif teacher_copy_needed(recipe):
         rng = ckpt.rng_state()  # loading the copy must not shift what the run samples
         tr.teacher = load_teacher_copy(backbone, recipe, search)
         ckpt.set_rng_state(rng)
@@ -248,6 +252,28 @@ def load_teacher_copy(backbone: str, recipe: Recipe, search: list) -> Any:
     """The frozen teacher copy: the run's backbone (the recipe's, or the merged warm start of
     `train.teacher: init`) loaded once more, without adapters or gradients."""
     model, _ = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def load_teacher_from(project: Project, recipe: Recipe) -> Any:
+    """`train.teacher_from`: that checkpoint's student (a LoRA one merged), frozen, as the teacher
+    copy; the student, whatever it starts from, is trained beside it (evolve's recovery phase:
+    the starting model teaches the round's candidate)."""
+    from lopd_cli.models.backbone import resolve_backbone
+    from lopd_cli.models.student import check_init_backbone, load_student, resolve_init_from
+
+    spec = recipe.train.teacher_from
+    if recipe.train.teacher != "base":
+        raise LopdError(f"train.teacher_from: {spec} is the teacher; train.teacher={recipe.train.teacher} "
+                        "names another (leave it at base)")
+    info = resolve_init_from(spec, project.root)
+    search = [recipe.base_dir, project.root]
+    check_init_backbone(info, spec, recipe.model.backbone, str(resolve_backbone(recipe.model.backbone, search)))
+    model, _ = load_student(info, recipe.model.dtype, recipe.model.device, search)
+    if ad.is_wrapped(model):
+        model = model.merge_and_unload()
     model.requires_grad_(False)
     model.eval()
     return model

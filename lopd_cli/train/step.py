@@ -516,7 +516,7 @@ def trainer_step(tr: Trainer, episodes: list[Episode], totals: BatchTotals | Non
                  rows: list[bool] | None = None, composer_totals: BatchTotals | None = None) -> StepOutcome:
     """What `train.loop.update` runs for LOPD and OPSD: retrieve each rollout's references,
     `lopd_step` with the recipe's settings, and (distributed) sum the loss parts over ranks."""
-    refs = retrieve_refs(tr, episodes)
+    refs = retrieve_refs(tr, episodes) if tr.retriever is not None else [[] for _ in episodes]
     setup = step_setup(tr, rows, composer_totals)
     o = lopd_step(setup, episodes, refs, tr.state.beta, totals)
     if dist.is_distributed():
@@ -535,7 +535,7 @@ def step_setup(tr: Trainer, rows: list[bool] | None = None, composer_totals: Bat
     return StepSetup(
         tr.model, tr.tokenizer, t.distill.top_m, t.lopd.margin_m, t.lopd.anchor_lambda, t.micro_batch, t.logit_chunk,
         composer=tr.composer, train_composer=tr.trains_composer, latents0=tr.latents0,
-        text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else None,
+        text_prompt=opsd_prompt_fn(tr) if tr.algo == "opsd" else plain_prompt_fn(tr) if tr.algo == "distill" else None,
         autocast=tr.autocast, margin_advantage=t.lopd.margin_advantage,
         contrastive_weight=t.lopd.contrastive_weight, contrastive_margin=t.lopd.contrastive_margin,
         success_threshold=tr.recipe.eval.success_threshold,
@@ -597,6 +597,13 @@ def retrieve_refs(tr: Trainer, episodes: list[Episode]) -> list[list]:
         exclude_task_ids_per_query=[[ep.task.id] for ep in episodes],
         exclude_instructions_per_query=[[ep.task.instruction] for ep in episodes],
     )
+
+
+def plain_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
+    """`distill`: the teacher sees the student's own prompt, no privileged context."""
+    from lopd_cli.agent.chat import render_prompt_ids
+
+    return lambda ep, items: render_prompt_ids(tr.tokenizer, ep.prompt_messages, ep.task.tools)
 
 
 def opsd_prompt_fn(tr: Trainer) -> Callable[[Episode, list], list[int]]:
