@@ -263,15 +263,27 @@ class GrpoSection(Section):
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL to the base model (k3 estimator); 0: off.")
 
 
+class SdpoSection(Section):
+    group_size: int = Field(
+        8, ge=2, description="Rollouts per task; a rollout's teacher sees a successful sibling from its group.")
+    top_k: int = Field(100, ge=1, description="Logits distilled per token: the student's top k, plus a tail bucket.")
+    alpha: float = Field(
+        0.5, ge=0.0, le=1.0, description="Divergence: 0 forward KL, 1 reverse KL, between: generalized Jensen-Shannon.")
+    is_clip: float | None = Field(
+        2.0, gt=0, description="Clip of the importance ratio π_θ / π_old on each token's loss; null: no weighting.")
+    feedback: bool = Field(
+        True, description="A failed rollout without a successful sibling: the teacher sees the environment's feedback.")
+
+
 class SftSection(Section):
     batch: int | None = Field(
         None, ge=1, description="Successful bank items per step; null: rollout.rollouts_per_step.")
 
 
 class TrainSection(Section):
-    algo: Literal["lopd", "grpo", "opsd", "distill", "sft"] = Field(
+    algo: Literal["lopd", "grpo", "opsd", "sdpo", "distill", "sft"] = Field(
         "lopd",
-        description="Training algorithm: lopd, grpo, opsd (references as text), distill (no context) or sft (`--algo`).")
+        description="Training algorithm: lopd, grpo, opsd, sdpo, distill (no context) or sft (`lopd train --algo`).")
     steps: int = Field(100, ge=0, description="Training steps; a resumed run continues up to this many.")
     lr: float = Field(1e-4, gt=0, description="Student learning rate (AdamW).")
     seed: int = Field(0, description="Seed of the run: task order, rollouts, the composer rows' draw.")
@@ -303,6 +315,14 @@ class TrainSection(Section):
         None, description="A run or checkpoint whose student, frozen, is the teacher (a copy beside the student); null: train.teacher.")
     teacher_ema_rate: float = Field(
         0.05, gt=0.0, le=1.0, description="train.teacher=ema: the fraction of the way to the student the teacher moves each step.")
+    @model_validator(mode="before")
+    @classmethod
+    def _sdpo_teacher(cls, data: Any) -> Any:
+        """SDPO's teacher is an EMA of the student unless the recipe names another."""
+        if isinstance(data, dict) and data.get("algo") == "sdpo" and data.get("teacher") is None:
+            data = {**data, "teacher": "ema"}
+        return data
+
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="Under torchrun: ddp (data parallel, whole model per rank) or fsdp (FSDP2: weights, grads, optimiser states sharded between steps).")
@@ -311,6 +331,7 @@ class TrainSection(Section):
         default_factory=LopdSection,
         description="LOPD only: the composer phase, the privileged margin and its dual variable β.")
     grpo: GrpoSection = Field(default_factory=GrpoSection, description="GRPO only.")
+    sdpo: SdpoSection = Field(default_factory=SdpoSection, description="SDPO only (its teacher: train.teacher, ema by default).")
     sft: SftSection = Field(default_factory=SftSection, description="SFT only.")
 
 

@@ -60,8 +60,8 @@ def other_value(default):
 
 
 def test_every_key_and_section_has_a_one_line_description():
-    assert len(LEAVES) == 142  # 107 + the 16 evolve keys + train.parallel + train.activation_checkpointing
-    # + train.teacher_ema_rate + train.teacher_from
+    assert len(LEAVES) == 147  # 107 + the 16 evolve keys + train.parallel + train.activation_checkpointing
+    # + train.teacher_ema_rate + train.teacher_from + train.sdpo's 5
     # + env.mcp's 13 keys and its reset hook's 2
     for key, field in LEAVES.items():
         d = field.description or ""
@@ -72,7 +72,7 @@ def test_every_key_and_section_has_a_one_line_description():
 
 def test_each_algorithm_has_its_own_train_section():
     train = {k for k in LEAVES if k.startswith("train.")}
-    assert {k.split(".")[1] for k in train if k.count(".") == 2} == {"distill", "lopd", "grpo", "sft"}
+    assert {k.split(".")[1] for k in train if k.count(".") == 2} == {"distill", "lopd", "grpo", "sdpo", "sft"}
     assert "train.lopd.margin_m" in train and "train.grpo.group_size" in train and "train.sft.batch" in train
     assert "train.margin_m" not in train and "train.sft_batch" not in train
 

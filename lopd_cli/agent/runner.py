@@ -263,6 +263,9 @@ def _finish(live: _Live, reward_fn: Callable | None, base_meta: dict) -> Episode
         try:
             raw = reward_fn(ep.task, ep.messages) if reward_fn else live.env.reward(ep.messages)
             ep.reward = check_reward(raw, source)
+            feedback = getattr(live.env, "feedback", None)  # optional: what SDPO's teacher reads on a failure
+            if callable(feedback):
+                ep.meta["feedback"] = feedback(ep.messages)
         except LopdError as e:
             ep.error = str(e)
         except Exception as e:  # noqa: BLE001 - a plugin error fails this episode only

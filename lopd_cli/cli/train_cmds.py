@@ -32,8 +32,8 @@ def train(
     proj = open_project(project)
     overrides = list(set_ or [])
     if algo is not None:
-        if algo not in ("lopd", "grpo", "opsd", "distill", "sft"):
-            raise LopdError(f"--algo '{algo}': choose lopd, grpo, opsd, distill or sft")
+        if algo not in ("lopd", "grpo", "opsd", "sdpo", "distill", "sft"):
+            raise LopdError(f"--algo '{algo}': choose lopd, grpo, opsd, sdpo, distill or sft")
         overrides.append(f"train.algo={algo}")
     r = proj.load_recipe(recipe, overrides)
 

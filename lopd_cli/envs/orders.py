@@ -444,6 +444,12 @@ class OrdersEnv:
         assert self.task is not None and self.world is not None, "reset() first"
         return checklist_reward(self.task, self.world.db, transcript)
 
+    def feedback(self, transcript: list[dict]) -> str | None:
+        """The checklist items the episode missed (what SDPO's teacher reads on a failure); None: all met."""
+        assert self.task is not None and self.world is not None, "reset() first"
+        missed = [item for item, ok in checklist(self.task, self.world.db, final_answer(transcript)) if not ok]
+        return "Not done: " + "; ".join(missed) + "." if missed else None
+
 
 # ---------------------------------------------------------------- the scripted oracle
 

@@ -138,7 +138,7 @@ def check_step_split(rollouts_per_step: int, group_size: int | None = None) -> N
         raise LopdError(f"rollout.rollouts_per_step ({rollouts_per_step}) must be a multiple of the world size ({w})")
     if group_size and (rollouts_per_step // w) % group_size:
         raise LopdError(f"rollout.rollouts_per_step / world size ({rollouts_per_step // w}) must be a multiple of "
-                        f"train.grpo.group_size ({group_size}) so that each GRPO group stays on one rank")
+                        f"the group size ({group_size}, train.grpo / train.sdpo) so that each group stays on one rank")
 
 
 # ----------------------------------------------------------------------------- collectives

@@ -5,6 +5,7 @@ Each step:
     2–4. LOPD / OPSD: teacher pass, student reverse-KL update, composer update and, after the
          optimiser steps, the dual step on β (train/step.py);
          GRPO: group-normalised clipped policy gradient (train/grpo.py);
+         SDPO: the model reprompted with a successful sibling (or feedback) as teacher (train/sdpo.py);
     (SFT has no rollouts: one NLL step on successful bank items, train/sft.py;)
     then bank growth (`bank.grow`), metrics, periodic validation and checkpoints.
 
@@ -112,7 +113,7 @@ class Trainer:
 
 
 # The algorithms whose loss is distillation from a teacher (train.teacher applies).
-DISTILLS = ("lopd", "opsd", "distill")
+DISTILLS = ("lopd", "opsd", "sdpo", "distill")
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -332,14 +333,20 @@ def _setup_composer(tr: Trainer) -> None:
 def pick_tasks(tr: Trainer) -> tuple[list, list[int]]:
     """The step's tasks: R distinct tasks (LOPD/OPSD), or R/G tasks × G rollouts (GRPO)."""
     R = tr.recipe.rollout.rollouts_per_step
-    if tr.algo == "grpo":
-        G = tr.recipe.train.grpo.group_size
+    if tr.algo in ("grpo", "sdpo"):
+        G = group_size(tr.recipe)
         if R % G:
-            raise LopdError(f"rollout.rollouts_per_step ({R}) must be a multiple of train.grpo.group_size ({G})")
+            raise LopdError(f"rollout.rollouts_per_step ({R}) must be a multiple of train.{tr.algo}.group_size ({G})")
         idx = tr.state.sampler.take(R // G)
         return [tr.train_tasks[i] for i in idx for _ in range(G)], [g for g in range(len(idx)) for _ in range(G)]
     idx = tr.state.sampler.take(R)
     return [tr.train_tasks[i] for i in idx], list(range(R))
+
+
+def group_size(recipe: Recipe) -> int | None:
+    """Rollouts per task in a step: GRPO's and SDPO's groups; None for the others."""
+    t = recipe.train
+    return t.grpo.group_size if t.algo == "grpo" else t.sdpo.group_size if t.algo == "sdpo" else None
 
 
 def warm_start_teacher_warning(recipe, source_student: str) -> str | None:
@@ -407,6 +414,19 @@ def composer_rows(tr: Trainer, episodes: list[Episode], step: int) -> list[bool]
     return [i in pick for i in range(len(episodes))]
 
 
+def sdpo_setup(tr: Trainer):
+    from lopd_cli.train.sdpo import SdpoSetup
+    from lopd_cli.train.step import ema_adapter
+
+    t, s = tr.recipe.train, tr.recipe.train.sdpo
+    adapter = ema_adapter(tr)
+    view = (ad.use_student if t.teacher == "live"
+            else (lambda m: ad.use_encoder(m, adapter)) if adapter is not None else None)
+    return SdpoSetup(tr.model, tr.tokenizer, s.top_k, s.alpha, s.is_clip, tr.recipe.eval.success_threshold,
+                     s.feedback, tr.recipe.bank.obs_char_budget, t.micro_batch, t.logit_chunk,
+                     teacher_model=tr.teacher, teacher_view=view, autocast=tr.autocast)
+
+
 def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
            totals: BatchTotals | None = None, rows: list[bool] | None = None,
            composer_totals: BatchTotals | None = None, phi_step: bool = True) -> dict[str, Any]:
@@ -436,6 +456,19 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
             o.adv_abs = dist.all_reduce_mean({"adv_abs": o.adv_abs}, weight=len(episodes))["adv_abs"]
             o.finite = math.isfinite(o.loss)
         row.update(loss=o.loss, pg_loss=o.loss, clip_fraction=o.clip_fraction, kl_ref=o.kl_ref, adv_abs=o.adv_abs)
+        finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
+    elif tr.algo == "sdpo":
+        from lopd_cli.train.sdpo import sdpo_update
+
+        o = sdpo_update(sdpo_setup(tr), episodes, group_ids, totals)
+        if dist.is_distributed():
+            red = dist.all_reduce_sum({"loss": o.loss, "distilled": o.distilled, "with_solution": o.with_solution,
+                                       "with_feedback": o.with_feedback})
+            o.loss, o.distilled = red["loss"], int(red["distilled"])
+            o.with_solution, o.with_feedback = int(red["with_solution"]), int(red["with_feedback"])
+            o.finite = math.isfinite(o.loss)
+        row.update(loss=o.loss, jsd=o.loss, distilled_rollouts=o.distilled, with_solution=o.with_solution,
+                   with_feedback=o.with_feedback)
         finite, seconds, n_tokens = o.finite, o.seconds, o.n_tokens
     else:
         o = trainer_step(tr, episodes, totals, rows, composer_totals)
@@ -512,7 +545,7 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     t0 = time.perf_counter()
     tasks, group_ids = pick_tasks(tr)
     # Distributed: the same global task list on every rank, each rolling out its own share.
-    dist.check_step_split(len(tasks), tr.recipe.train.grpo.group_size if tr.algo == "grpo" else None)
+    dist.check_step_split(len(tasks), group_size(tr.recipe))
     lo, hi = dist.shard_range(len(tasks))
     local = rollout_phase(tr, tasks[lo:hi], step, progress, index_offset=lo)
     episodes = dist.gather_lists(local)

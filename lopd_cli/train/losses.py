@@ -312,6 +312,32 @@ def topm_kl_per_token(student_logprobs: Tensor, teacher_logprobs: Tensor) -> Ten
     return terms.sum(-1)
 
 
+def generalized_jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, alpha: float) -> Tensor:
+    """SDPO's divergence per token on top-k+tail log-probs (..., k+1) -> (...), teacher detached:
+    α = 0 forward KL(T ‖ S), α = 1 reverse KL(S ‖ T), between them the generalized
+    Jensen-Shannon divergence (1 − α) KL(S ‖ M) + α KL(T ‖ M), M = (1 − α) S + α T.
+    Empty buckets (log −inf, e.g. the tail when k ≥ V) contribute 0."""
+    s, t = student_logprobs.float(), teacher_logprobs.detach().float()
+
+    def kl(p: Tensor, q: Tensor) -> Tensor:  # Σ p (log p − log q), 0 where p has no mass
+        empty = torch.isneginf(p)
+        zero = torch.zeros((), dtype=p.dtype, device=p.device)
+        return torch.where(empty, zero, p.exp() * (torch.where(empty, zero, p) - torch.where(empty, zero, q))).sum(-1)
+
+    if alpha == 0.0:
+        return kl(t, s)
+    if alpha == 1.0:
+        return kl(s, t)
+    a = torch.tensor(alpha, dtype=s.dtype, device=s.device)
+    m = torch.logsumexp(torch.stack([s + torch.log1p(-a), t + torch.log(a)]), dim=0)
+    return torch.lerp(kl(s, m), kl(t, m), a)
+
+
+def clipped_is_ratio(logprobs: Tensor, old_logprobs: Tensor, clip: float) -> Tensor:
+    """exp(log π_θ − log π_old), detached and clipped above at `clip` (SDPO's `is_clip`)."""
+    return torch.exp((logprobs - old_logprobs).detach().clamp(-20.0, 20.0)).clamp(max=clip)
+
+
 def topm_reverse_kl(
     student_logprobs: Tensor,
     teacher_logprobs: Tensor,
