@@ -350,7 +350,7 @@ class EvolveSection(Section):
     """`lopd evolve`: rounds of (roll out the incumbent → bank → train → gated replacement)."""
 
     rounds: int = Field(4, ge=1, description="Rounds to run (--rounds overrides).")
-    algo: Literal["sft", "lopd", "opsd", "grpo", "auto"] = Field(
+    algo: Literal["sft", "lopd", "opsd", "sdpo", "grpo", "auto"] = Field(
         "auto", description="Each round's method; auto: SFT, and LOPD too in round 1 if the check found a teacher "
                             "advantage; then the validation winner.")
     samples_per_task: int = Field(1, ge=1, description="Rollouts of the incumbent per training task per round (k).")

@@ -1,4 +1,4 @@
-"""`lopd evolve --recipe R [--rounds N] [--algo sft|lopd|opsd|grpo|auto] [--run NAME] [--resume]`:
+"""`lopd evolve --recipe R [--rounds N] [--algo sft|lopd|opsd|sdpo|grpo|auto] [--run NAME] [--resume]`:
 rounds of (roll out the incumbent → bank → train → gated replacement), pipeline/evolve.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lopd_cli.cli.common import DebugOpt, JsonOpt, ProjectOpt, RecipeOpt, SetOpt
 def evolve(
     recipe: RecipeOpt = None,
     rounds: Annotated[Optional[int], typer.Option("--rounds", help="Rounds to run (default: evolve.rounds); with --resume, extends or shortens the run.", min=1)] = None,
-    algo: Annotated[Optional[str], typer.Option("--algo", help="sft, lopd, opsd, grpo or auto (default: evolve.algo).")] = None,
+    algo: Annotated[Optional[str], typer.Option("--algo", help="sft, lopd, opsd, sdpo, grpo or auto (default: evolve.algo).")] = None,
     run: Annotated[Optional[str], typer.Option("--run", help="Run folder name under runs/ (default: evolve-TIME).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run (--run NAME, default the newest evolve run) from its last finished stage.")] = False,
     set_: SetOpt = None,

@@ -11,7 +11,7 @@ from lopd_cli.cli.common import DebugOpt, JsonOpt, ProjectOpt, RecipeOpt, SetOpt
 
 def train(
     recipe: RecipeOpt = None,
-    algo: Annotated[Optional[str], typer.Option("--algo", help="lopd (default), grpo, opsd or sft: sets train.algo.")] = None,
+    algo: Annotated[Optional[str], typer.Option("--algo", help="lopd (default), grpo, opsd, sdpo, distill or sft: sets train.algo.")] = None,
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run from its latest checkpoint.")] = False,
     run: Annotated[Optional[str], typer.Option(

@@ -67,9 +67,9 @@ from lopd_cli.train.checkpoint import EVOLVE_STATE, INCUMBENT
 
 STATE_VERSION = 1
 ROUNDS_FILE = "rounds.jsonl"
-METHODS = ("sft", "lopd", "opsd", "grpo")
+METHODS = ("sft", "lopd", "opsd", "sdpo", "grpo")
 ALGOS = (*METHODS, "auto")
-TRAINS_ON_ROLLOUTS = ("lopd", "opsd", "grpo")  # methods that roll out while training (budget)
+TRAINS_ON_ROLLOUTS = ("lopd", "opsd", "sdpo", "grpo")  # methods that roll out while training (budget)
 VALIDATION_SEED = 10_007  # greedy decoding: the seed only matters for ties in sampling code paths
 
 # The train.* keys each round's recipe gets from evolve (kept in one place).

@@ -1,0 +1,256 @@
+"""Retention study (issue 47): evolve rounds with retention in the gate, one arm per method, several
+seeds, the same rollout budget; each final incumbent scored on the target world's test tasks and
+on the retention world's, paired against the starting model.
+
+    LOPD_THREADS=1 python benchmarks/retention_study.py prepare --project /tmp/rs
+    LOPD_THREADS=1 python benchmarks/retention_study.py run --project /tmp/rs \
+        --out benchmarks/results/retention_study --seeds 0 1 --jobs 2 --budget 768
+
+`prepare` makes the project: `lopd init --example orders --model tiny` (the shipped base policy,
+trained on the orders world under house rule set 101), the target recipe `toolcall` (house rule
+set 0, the demo's world), the retention recipe `own-rules` (rule set 101: the base policy's own
+world, where it already succeeds), the demo's scripted-agent logs of rule set 0 in the bank, the
+index, a cold start (LOPD's composer) and the starting model: SFT's pass on the logs (runs/sft).
+The two rule sets ask for different refund reasons, look-up rules and sign-offs, so learning the
+target's can overwrite what the start knew of its own: forgetting is possible here by design.
+
+`run` evolves each arm in its own copy of the project, from runs/sft (`train.init_from`,
+`evolve.start=incumbent`), with `evolve.retain=[own-rules]`, until the next round would exceed
+the budget; then `lopd eval` of the start and of the final incumbent on both test splits. An arm
+is NAME=ALGO[:key=value,...] (default: sft, sft+recovery, lopd, sdpo, grpo). Writes OUT/study.json
+(per arm and seed: rounds, rollouts, CPU seconds, target and retention test success and their
+paired change against the start), OUT/study.md (the table) and OUT/study.png (target change
+against retention change, one point per run, the arm's mean as a cross). Runs already finished
+under OUT/work are reused.
+
+What it simplifies: the tiny model (1.1M parameters) stands in for SmolLM2-135M (one SmolLM2 SFT
+step costs minutes on 2 cores, an arm of rounds hours); evolve's own gate keeps the validation
+tasks and the retention world's validation tasks apart from the test tasks scored here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+TARGET, RETAIN = "toolcall", "own-rules"
+START = "runs/sft"
+ARMS = ["sft=sft", "sft+recovery=sft:evolve.recover_steps=4", "lopd=lopd", "sdpo=sdpo", "grpo=grpo"]
+# Every arm: rounds from the SFT pass, the same sizes (a round: 64 rollouts of new training tasks;
+# 12 training steps; LOPD/SDPO/GRPO roll out 16 episodes per step, SDPO and GRPO in groups of 4).
+COMMON = [f"train.init_from={START}", "evolve.start=incumbent", f"evolve.retain=[{RETAIN}]",
+          "evolve.tasks_per_round=64", "evolve.steps=12", "evolve.val_n=64", "evolve.retain_tolerance=0.05",
+          "rollout.rollouts_per_step=16", "rollout.batch_size=32", "train.sft.batch=32",
+          "train.grpo.group_size=4", "train.sdpo.group_size=4", "train.lr=1e-3"]
+
+
+def lopd(args: list[str], cwd: Path, log: Path) -> tuple[str, float]:
+    """Run the CLI in `cwd`: (stdout, CPU seconds of that process and its children)."""
+    env = {**os.environ, "LOPD_THREADS": os.environ.get("LOPD_THREADS", "1")}
+    out = log.with_suffix(".out")
+    with out.open("w") as fo, log.open("a") as fe:
+        fe.write(f"$ lopd {' '.join(args)}\n")
+        fe.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "lopd_cli", *args], cwd=cwd, env=env, text=True,
+                                stdout=fo, stderr=fe)
+        _, status, usage = os.wait4(proc.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code:
+        raise RuntimeError(f"lopd {' '.join(args[:2])} in {cwd} failed (exit {code}); see {log}")
+    return out.read_text(), usage.ru_utime + usage.ru_stime
+
+
+def prepare(project: Path) -> None:
+    from lopd_cli.bank.index import build_index
+    from lopd_cli.bank.store import Bank
+    from lopd_cli.envs.orders import OrdersEnv
+    from lopd_cli.envs.orders_agent import scripted_agent_records
+    from lopd_cli.pipeline.demo import AGENT_LOGS, DEMO_OVERRIDES
+    from lopd_cli.project.scaffold import create_project
+    from lopd_cli.train.base_policy import BASE_POLICY_RULES_SEED
+    from lopd_cli.train.coldstart import run_coldstart
+    from lopd_cli.train.loop import train
+
+    if project.exists():
+        shutil.rmtree(project)
+    proj = create_project(project, example="orders", model="tiny")
+    data = yaml.safe_load((proj.recipes_dir / f"{TARGET}.yaml").read_text())
+    own = {**data, "name": RETAIN, "env": {**data["env"], "kwargs": {**data["env"]["kwargs"],
+                                                                      "rules_seed": BASE_POLICY_RULES_SEED}}}
+    (proj.recipes_dir / f"{RETAIN}.yaml").write_text(
+        f"# the base policy's own rule set ({BASE_POLICY_RULES_SEED}): the retention world of "
+        "benchmarks/retention_study.py\n" + yaml.safe_dump(own, sort_keys=False))
+    recipe = proj.load_recipe(TARGET, DEMO_OVERRIDES)
+    env = OrdersEnv(**recipe.env.kwargs)
+    records = scripted_agent_records(env.tasks("train")[-AGENT_LOGS:] + env.tasks("validation"), seed=0)
+    logs = proj.root / "logs" / "agent.jsonl"
+    logs.parent.mkdir(exist_ok=True)
+    logs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with Bank(proj.bank_path(recipe), recipe.bank.min_reward) as bank:
+        bank.add_file(logs)
+    build_index(proj, recipe, progress=True)
+    run_coldstart(proj, recipe, proj.runs_dir / "coldstart", show_progress=True)
+    train(proj, proj.load_recipe(TARGET, [*DEMO_OVERRIDES, "train.algo=sft", "train.steps=48", "train.save_every=48",
+                                          "train.sft.batch=32"]), proj.runs_dir / "sft")
+
+
+def evaluate(recipe: str, checkpoint: str | None, n: int, work: Path, tag: str, log: Path) -> dict[str, bool]:
+    """{task id: solved} of one model on a recipe's test split (greedy)."""
+    eps = work / f"test-{tag}.jsonl"
+    args = ["eval", "--recipe", recipe, "--split", "test", "-n", str(n), "--json", "--rollouts", str(eps)]
+    args += ["--checkpoint", checkpoint] if checkpoint else ["--backbone"]
+    out, _ = lopd(args, work, log)
+    thr = json.loads(out)["success_threshold"]
+    return {(e := json.loads(line))["task_id"]: e["reward"] >= thr for line in eps.read_text().splitlines()}
+
+
+def paired(a: dict[str, bool], b: dict[str, bool]) -> dict:
+    common = sorted(set(a) & set(b))
+    d = [float(a[t]) - float(b[t]) for t in common]
+    m = sum(d) / len(d)
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / max(1, len(d) - 1))
+    half = 1.96 * sd / math.sqrt(len(d))
+    return {"mean": m, "low": m - half, "high": m + half, "n": len(d)}
+
+
+def rate(x: dict[str, bool]) -> float:
+    return sum(x.values()) / len(x)
+
+
+def start_scores(a: argparse.Namespace) -> dict:
+    f = a.out / "start.json"
+    if f.exists():
+        return json.loads(f.read_text())
+    work = a.work / "start"
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "study.log"
+    out = {"target": evaluate(TARGET, START, a.n, a.project, "start-target", log),
+           "retain": evaluate(RETAIN, START, a.n, a.project, "start-retain", log),
+           "base_target": evaluate(TARGET, None, a.n, a.project, "base-target", log),
+           "base_retain": evaluate(RETAIN, None, a.n, a.project, "base-retain", log)}
+    f.write_text(json.dumps(out))
+    return out
+
+
+def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
+    name, spec = arm.split("=", 1)
+    algo, _, extra = spec.partition(":")
+    work = a.work / f"{name}-s{seed}"
+    done = work / "study_run.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    if work.exists():
+        shutil.rmtree(work)
+    shutil.copytree(a.project, work, ignore=shutil.ignore_patterns("evolve-*", "export*", "test-*.jsonl"))
+    log = work / "study.log"
+    sets = [*COMMON, *a.set, *(s for s in extra.split(",") if s), f"evolve.seed={seed}",
+            f"evolve.rollout_budget={a.budget}"]
+    args = ["evolve", "--recipe", TARGET, "--algo", algo, "--run", "ev", "--rounds", "99"]
+    for s in sets:
+        args += ["--set", s]
+    t0 = time.time()
+    _, cpu = lopd(args, work, log)
+    wall = time.time() - t0
+    rows = [json.loads(x) for x in (work / "runs" / "ev" / "rounds.jsonl").read_text().splitlines()]
+    final = str(work / "runs" / "ev")
+    target = evaluate(TARGET, final, a.n, work, "target", log)
+    retain = evaluate(RETAIN, final, a.n, work, "retain", log)
+    result = {"arm": name, "algo": algo, "seed": seed, "sets": sets, "rounds": len(rows) - 1,
+              "accepted": sum(r["accepted"] for r in rows[1:]), "incumbent_round": rows[-1]["incumbent_round"],
+              "rollouts": rows[-1]["rollouts_total"], "evolve_cpu_s": round(cpu, 1), "evolve_wall_s": round(wall, 1),
+              "target": rate(target), "retain": rate(retain),
+              "target_vs_start": paired(target, start["target"]), "retain_vs_start": paired(retain, start["retain"]),
+              "rejected_for_retention": sum(1 for r in rows[1:] if r["reason"].startswith("rejected: forgets")),
+              "stage_seconds": [r.get("seconds") for r in rows[1:]]}
+    done.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def table(results: list[dict], start: dict, n: int) -> str:
+    pct = lambda iv: f"{100 * iv['mean']:+.1f} [{100 * iv['low']:+.1f}, {100 * iv['high']:+.1f}]"  # noqa: E731
+    lines = [f"Start (SFT's pass): target {100 * rate(start['target']):.1f} %, retention "
+             f"{100 * rate(start['retain']):.1f} %; base policy: target {100 * rate(start['base_target']):.1f} %, "
+             f"retention {100 * rate(start['base_retain']):.1f} % ({n} test tasks each, greedy).", "",
+             "| arm | seed | rounds (accepted; rejected for retention) | rollouts | CPU s | target test % | "
+             "− start (points) | retention test % | − start (points) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["arm"], r["seed"])):
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['rounds']} ({r['accepted']}; {r['rejected_for_retention']}) "
+                     f"| {r['rollouts']} | {r['evolve_cpu_s']:.0f} | {100 * r['target']:.1f} | {pct(r['target_vs_start'])} "
+                     f"| {100 * r['retain']:.1f} | {pct(r['retain_vs_start'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 5), constrained_layout=True)
+    for i, arm in enumerate(sorted({r["arm"] for r in results})):
+        runs = [r for r in results if r["arm"] == arm]
+        xs = [100 * r["target_vs_start"]["mean"] for r in runs]
+        ys = [100 * r["retain_vs_start"]["mean"] for r in runs]
+        c = plt.get_cmap("tab10")(i)
+        ax.scatter(xs, ys, color=c, alpha=0.6)
+        ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=c, marker="X", s=120, label=f"{arm} (mean)")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.set_xlabel("target test success − start (points, paired)")
+    ax.set_ylabel("retention test success − start (points, paired)")
+    ax.set_title("evolve arms: what each gained and kept")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["prepare", "run"])
+    ap.add_argument("--project", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/retention_study"))
+    ap.add_argument("--arms", nargs="+", default=ARMS)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--budget", type=int, default=768, help="evolve.rollout_budget of every run.")
+    ap.add_argument("-n", type=int, default=128, help="Test tasks per world and evaluation.")
+    ap.add_argument("--jobs", type=int, default=1, help="Runs side by side (give each LOPD_THREADS=1).")
+    ap.add_argument("--set", action="append", default=[], help="A recipe override for every run.")
+    a = ap.parse_args()
+    a.project = a.project.resolve()
+    if a.what == "prepare":
+        prepare(a.project)
+        return
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.work = (a.out / "work").resolve()
+    a.work.mkdir(parents=True, exist_ok=True)
+    start = start_scores(a)
+    jobs = [(arm, s) for s in a.seeds for arm in a.arms]
+    results = []
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        futures = {pool.submit(run_one, arm, s, a, start): (arm, s) for arm, s in jobs}
+        for f, (arm, s) in futures.items():
+            try:
+                results.append(f.result())
+                print(f"done: {arm} seed {s}", flush=True)
+            except Exception as e:  # one failed run must not lose the others
+                print(f"FAILED: {arm} seed {s}: {e}", flush=True)
+    md = table(results, start, a.n)
+    (a.out / "study.json").write_text(json.dumps({"budget": a.budget, "common": COMMON, "sets": a.set, "arms": a.arms,
+                                                  "n_test": a.n, "runs": results}, indent=1))
+    (a.out / "study.md").write_text(md)
+    plot(results, a.out / "study.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
