@@ -12,7 +12,7 @@ from lopd_cli.train import distributed as dist
 from lopd_cli.train import sharding
 
 if TYPE_CHECKING:
-    from lopd_cli.train.loop import Trainer
+    from lopd_cli.train.trainer import Trainer
 
 
 def _student_params(model) -> list[torch.nn.Parameter]:

@@ -43,7 +43,7 @@ from lopd_cli.train.metrics import peak_memory_mb
 from lopd_cli.train.sampler import TaskSampler
 
 if TYPE_CHECKING:
-    from lopd_cli.train.loop import Trainer
+    from lopd_cli.train.trainer import Trainer
 
 IDS = "sft_ids"  # tr.extra: the pool's bank row ids (checkpointed)
 POOL = "sft_pool"  # tr.extra: the tokenised pool, in IDS order (rebuilt from IDS, not saved)

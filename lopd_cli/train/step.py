@@ -51,7 +51,7 @@ from lopd_cli.train.batch import BatchTotals, StudentBatch, collate, student_hid
 
 if TYPE_CHECKING:
     from lopd_cli.compose.latent import TeacherBatch
-    from lopd_cli.train.loop import Trainer
+    from lopd_cli.train.trainer import Trainer
 
 
 @dataclass
