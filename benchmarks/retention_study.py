@@ -6,13 +6,13 @@ on the retention world's, paired against the starting model.
     LOPD_THREADS=1 python benchmarks/retention_study.py run --project /tmp/rs \
         --out benchmarks/results/retention_study --seeds 0 1 --jobs 2 --budget 768
 
-`prepare` makes the project: `lopd init --example orders --model tiny` (the shipped base policy,
-trained on the orders world under house rule set 101), the target recipe `toolcall` (house rule
-set 0, the demo's world), the retention recipe `own-rules` (rule set 101: the base policy's own
-world, where it already succeeds), the demo's scripted-agent logs of rule set 0 in the bank, the
-index, a cold start (LOPD's composer) and the starting model: SFT's pass on the logs (runs/sft).
-The two rule sets ask for different refund reasons, look-up rules and sign-offs, so learning the
-target's can overwrite what the start knew of its own: forgetting is possible here by design.
+`prepare` makes the project: `lopd init --example orders --model tiny` (the shipped base policy),
+the target recipe `toolcall` (house rule set 0, the demo's world), the retention recipe `plain`
+(the orders world without house rules, where the base policy already succeeds: 28 % of 128 test
+tasks), the demo's scripted-agent logs of rule set 0 in the bank, the index, a cold start
+(LOPD's composer) and the starting model: SFT's pass on the logs (runs/sft). The house rules ask
+for a refund reason, a look-up before acting and a sign-off that the plain world does not, so
+learning them can cost what the model did there: forgetting is possible here by design.
 
 `run` evolves each arm in its own copy of the project, from runs/sft (`train.init_from`,
 `evolve.start=incumbent`), with `evolve.retain=[own-rules]`, until the next round would exceed
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-TARGET, RETAIN = "toolcall", "own-rules"
+TARGET, RETAIN = "toolcall", "plain"
 START = "runs/sft"
 ARMS = ["sft=sft", "sft+recovery=sft:evolve.recover_steps=4", "lopd=lopd", "sdpo=sdpo", "grpo=grpo"]
 # Every arm: rounds from the SFT pass, the same sizes (a round: 64 rollouts of new training tasks;
@@ -77,7 +77,6 @@ def prepare(project: Path) -> None:
     from lopd_cli.envs.orders_agent import scripted_agent_records
     from lopd_cli.pipeline.demo import AGENT_LOGS, DEMO_OVERRIDES
     from lopd_cli.project.scaffold import create_project
-    from lopd_cli.train.base_policy import BASE_POLICY_RULES_SEED
     from lopd_cli.train.coldstart import run_coldstart
     from lopd_cli.train.loop import train
 
@@ -85,11 +84,10 @@ def prepare(project: Path) -> None:
         shutil.rmtree(project)
     proj = create_project(project, example="orders", model="tiny")
     data = yaml.safe_load((proj.recipes_dir / f"{TARGET}.yaml").read_text())
-    own = {**data, "name": RETAIN, "env": {**data["env"], "kwargs": {**data["env"]["kwargs"],
-                                                                      "rules_seed": BASE_POLICY_RULES_SEED}}}
+    plain = {**data, "name": RETAIN, "env": {**data["env"], "kwargs": {**data["env"]["kwargs"], "house_rules": False}}}
     (proj.recipes_dir / f"{RETAIN}.yaml").write_text(
-        f"# the base policy's own rule set ({BASE_POLICY_RULES_SEED}): the retention world of "
-        "benchmarks/retention_study.py\n" + yaml.safe_dump(own, sort_keys=False))
+        "# the orders world without house rules: the retention world of benchmarks/retention_study.py\n"
+        + yaml.safe_dump(plain, sort_keys=False))
     recipe = proj.load_recipe(TARGET, DEMO_OVERRIDES)
     env = OrdersEnv(**recipe.env.kwargs)
     records = scripted_agent_records(env.tasks("train")[-AGENT_LOGS:] + env.tasks("validation"), seed=0)
