@@ -103,6 +103,12 @@ def test_the_retention_gate_rejects_a_candidate_that_forgets_and_keeps_it_within
     assert res.incumbent["round"] == 0
     assert any("retention plain" in x and "rejected: forgets" in x for x in lines)
     assert (proj.runs_dir / "r" / "rounds" / "r01" / "retain-plain-sft.jsonl").is_file()
+    # Where the round's time went: every stage's seconds are accounted for, once.
+    split = one["time_split"]
+    assert set(split) == {"rollouts", "training_steps", "validation", "bank_index", "setup"}
+    assert all(v >= 0 for v in split.values()) and split["rollouts"] > 0 and split["training_steps"] > 0
+    assert split["setup"] > 0 and split["validation"] > 0
+    assert sum(split.values()) == pytest.approx(sum(v for v in one["seconds"].values() if v), abs=0.01)
     # The same candidate (same seeds) with a tolerance it meets is kept.
     _, res2, _ = forgetful["1.0"]
     one2 = res2.rounds[1]

@@ -555,9 +555,11 @@ def _validate(run: EvolveRun, checkpoint: str | None, out: Path, label: str, rec
     from lopd_cli.progress import counter
 
     r = recipe or run.recipe
+    t0 = time.perf_counter()
     env_factory = make_env_factory(r)
     tasks = eval_tasks(env_factory, "validation", run.cfg.val_n)
     model, tok, produced_by = _load_policy(run, checkpoint)
+    load_s = time.perf_counter() - t0
     with torch.no_grad(), counter(f"validate {label}", len(tasks)) as tick:
         eps = run_episodes(model, tok, env_factory, tasks, r.rollout, seed=VALIDATION_SEED, reward_fn=load_reward(r),
                            progress=tick, temperature=0.0,
@@ -567,7 +569,7 @@ def _validate(run: EvolveRun, checkpoint: str | None, out: Path, label: str, rec
     _free()
     write_jsonl_atomic(out, [e.to_record() for e in eps])
     wins = [episode_figures(e, r.eval.success_threshold).success for e in eps]
-    return {"file": run.rel(out), "task_ids": [e.task.id for e in eps], "successes": wins,
+    return {"file": run.rel(out), "load_seconds": round(load_s, 3), "task_ids": [e.task.id for e in eps], "successes": wins,
             "success": wilson_interval(sum(wins), len(wins)).to_dict(),
             "reward": sum(e.reward for e in eps) / max(1, len(eps)), "errors": sum(e.error is not None for e in eps)}
 
@@ -579,11 +581,13 @@ def _rollouts(run: EvolveRun, k: int) -> dict:
     from lopd_cli.progress import counter
 
     r, cfg = run.recipe, run.cfg
+    t0 = time.perf_counter()
     env_factory = make_env_factory(r)
     solved = solved_task_ids(run.project, r) if cfg.unsolved_first else frozenset()
     tasks = _train_tasks_of_round(env_factory, cfg, k, solved)
     checkpoint = run.state["incumbent"]["checkpoint"]
     model, tok, produced_by = _load_policy(run, checkpoint)
+    load_s = time.perf_counter() - t0
     meta = {**produced_by, "split": "train", "generated_by": "lopd", "phase": "evolve", "evolve_run": run.name,
             "evolve_round": k, "checkpoint": str(run.path(checkpoint)) if checkpoint else None}
     with torch.no_grad(), counter(f"round {k}: rollouts", len(tasks)) as tick:
@@ -600,7 +604,7 @@ def _rollouts(run: EvolveRun, k: int) -> dict:
     thr = r.eval.success_threshold
     wins = sum(e.error is None and e.reward >= thr - 1e-9 for e in eps)
     run.state["rollouts_total"] += len(eps)
-    return {"file": run.rel(out), "n": len(eps), "successes": wins, "errors": errors,
+    return {"file": run.rel(out), "load_seconds": round(load_s, 3), "n": len(eps), "successes": wins, "errors": errors,
             "temperature": r.rollout.temperature if cfg.temperature is None else cfg.temperature}
 
 
@@ -661,13 +665,15 @@ def _train(run: EvolveRun, k: int, method: str, say: Say) -> dict:
         values["composer_from"] = str(run.path(composer))
     r = _load_recipe(run.recipe_path, run.overrides, values)
     out.parent.mkdir(parents=True, exist_ok=True)
+    steps_s: list[float] = []
     with counter(f"round {k}: {method} steps", run.steps) as tick:
-        tr = train(run.project, r, out, on_step=lambda row: tick(1))
+        tr = train(run.project, r, out, on_step=lambda row: (tick(1), steps_s.append(row.get("sec_step", 0.0))))
     spent = tr.state.rollouts_total - values["prior_rollouts"]
     del tr
     _free()
     run.state["rollouts_total"] += spent
-    return {"run": run.rel(out), "checkpoint": run.rel(resolve_checkpoint(out)), "rollouts": spent}
+    return {"run": run.rel(out), "checkpoint": run.rel(resolve_checkpoint(out)), "rollouts": spent,
+            "step_seconds": round(sum(steps_s), 3)}
 
 
 def _recover(run: EvolveRun, k: int, method: str, world: str, checkpoint: str) -> dict:
@@ -689,13 +695,15 @@ def _recover(run: EvolveRun, k: int, method: str, world: str, checkpoint: str) -
             f"train.prior_rollouts={prior}", "train.teacher=base",
             f"train.teacher_from={run.path(start) if start else 'null'}"]
     r = load_recipe(run.state["retain"][world], over)
+    steps_s: list[float] = []
     with counter(f"round {k}: recovery on {world}", cfg.recover_steps) as tick:
-        tr = train(run.project, r, out, on_step=lambda row: tick(1))
+        tr = train(run.project, r, out, on_step=lambda row: (tick(1), steps_s.append(row.get("sec_step", 0.0))))
     spent = tr.state.rollouts_total - prior
     del tr
     _free()
     run.state["rollouts_total"] += spent
-    return {"run": run.rel(out), "checkpoint": run.rel(resolve_checkpoint(out)), "rollouts": spent}
+    return {"run": run.rel(out), "checkpoint": run.rel(resolve_checkpoint(out)), "rollouts": spent,
+            "step_seconds": round(sum(steps_s), 3)}
 
 
 # ----------------------------------------------------------------------------- rounds
@@ -850,8 +858,30 @@ def round_row(run: EvolveRun, rec: dict) -> dict:
         "retention": {w: {"success": s[f"retain:{best}:{w}"]["success"], **c}
                       for w, c in g.get("retention", {}).items()},
         "incumbent_validation_before": g["incumbent_success"], "paired_diff": g["paired_diff"],
-        "accepted": g["accepted"], "reason": g["reason"], "seconds": seconds,
+        "accepted": g["accepted"], "reason": g["reason"], "seconds": seconds, "time_split": time_split(s),
     }
+
+
+def time_split(stages: dict) -> dict[str, float]:
+    """Where a round's seconds went: generating its rollouts, training steps (the steps' own
+    seconds, recovery's included), greedy validation (target and retention), the bank and the
+    index, and set-up (loading models and environments, building trainers, checkpoints)."""
+    split = {"rollouts": 0.0, "training_steps": 0.0, "validation": 0.0, "bank_index": 0.0, "setup": 0.0}
+    for name, v in stages.items():
+        sec, load = v.get("seconds") or 0.0, v.get("load_seconds") or 0.0
+        if name == "rollouts":
+            split["rollouts"] += sec - load
+            split["setup"] += load
+        elif name.startswith(("train:", "recover:")):
+            steps = v.get("step_seconds") or 0.0
+            split["training_steps"] += steps
+            split["setup"] += sec - steps
+        elif name.startswith(("validate:", "retain:")):
+            split["validation"] += sec - load
+            split["setup"] += load
+        elif name in ("bank", "index", "coldstart"):
+            split["bank_index"] += sec
+    return {k: round(v, 3) for k, v in split.items()}
 
 
 def write_derived(run: EvolveRun) -> None:
