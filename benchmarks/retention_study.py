@@ -146,7 +146,14 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
     work = a.work / f"{name}-s{seed}"
     done = work / "study_run.json"
     if done.exists():
-        return json.loads(done.read_text())
+        result = json.loads(done.read_text())
+        if "candidates" not in result:  # finished before the field existed: from its rounds.jsonl
+            rows = [json.loads(x) for x in (work / "runs" / "ev" / "rounds.jsonl").read_text().splitlines()]
+            result["candidates"] = [{"round": r["round"], "accepted": r["accepted"],
+                                     "target_vs_start": r["validation"]["mean"] - rows[0]["validation"]["mean"],
+                                     "retain_vs_start": r["retention"][RETAIN]["vs_start"]["mean"],
+                                     "time_split": r.get("time_split")} for r in rows[1:]]
+        return result
     if work.exists():
         shutil.rmtree(work)
     shutil.copytree(a.project, work, ignore=shutil.ignore_patterns("evolve-*", "export*", "test-*.jsonl"))
@@ -169,7 +176,12 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
               "target": rate(target), "retain": rate(retain),
               "target_vs_start": paired(target, start["target"]), "retain_vs_start": paired(retain, start["retain"]),
               "rejected_for_retention": sum(1 for r in rows[1:] if r["reason"].startswith("rejected: forgets")),
-              "stage_seconds": [r.get("seconds") for r in rows[1:]]}
+              "stage_seconds": [r.get("seconds") for r in rows[1:]],
+              # every candidate the gate saw, on validation tasks: target and retention change against the start
+              "candidates": [{"round": r["round"], "accepted": r["accepted"],
+                              "target_vs_start": r["validation"]["mean"] - rows[0]["validation"]["mean"],
+                              "retain_vs_start": r["retention"][RETAIN]["vs_start"]["mean"],
+                              "time_split": r.get("time_split")} for r in rows[1:]]}
     done.write_text(json.dumps(result, indent=1))
     return result
 
@@ -185,6 +197,21 @@ def table(results: list[dict], start: dict, n: int) -> str:
         lines.append(f"| {r['arm']} | {r['seed']} | {r['rounds']} ({r['accepted']}; {r['rejected_for_retention']}) "
                      f"| {r['rollouts']} | {r['evolve_cpu_s']:.0f} | {100 * r['target']:.1f} | {pct(r['target_vs_start'])} "
                      f"| {100 * r['retain']:.1f} | {pct(r['retain_vs_start'])} |")
+    lines += ["", "Every candidate the gate judged (validation tasks, greedy, 64 per world; before the gate), "
+              "mean over rounds, and where the rounds' time went:", "",
+              "| arm | seed | candidates | target − start | retention − start | rollouts / training steps / "
+              "validation / set-up (% of the rounds' time) |", "|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["arm"], r["seed"])):
+        c = r.get("candidates") or []
+        if not c:
+            continue
+        split = {k: sum((x["time_split"] or {}).get(k, 0.0) for x in c) for k in
+                 ("rollouts", "training_steps", "validation", "bank_index", "setup")}
+        total = sum(split.values()) or 1.0
+        lines.append(f"| {r['arm']} | {r['seed']} | {len(c)} | {100 * sum(x['target_vs_start'] for x in c) / len(c):+.1f} "
+                     f"| {100 * sum(x['retain_vs_start'] for x in c) / len(c):+.1f} | "
+                     + " / ".join(f"{100 * split[k] / total:.0f}" for k in ("rollouts", "training_steps", "validation", "setup"))
+                     + " |")
     return "\n".join(lines) + "\n"
 
 
