@@ -43,6 +43,8 @@ from pathlib import Path
 
 import yaml
 
+from evolve_study import paired  # the paired mean and its normal 95 % interval, as that study reports it
+
 TARGET, RETAIN = "toolcall", "plain"
 START = "runs/sft"
 ARMS = ["sft=sft", "sft+recovery=sft:evolve.recover_steps=4", "lopd=lopd", "sdpo=sdpo", "grpo=grpo"]
@@ -110,15 +112,6 @@ def evaluate(recipe: str, checkpoint: str | None, n: int, work: Path, tag: str, 
     out, _ = lopd(args, work, log)
     thr = json.loads(out)["success_threshold"]
     return {(e := json.loads(line))["task_id"]: e["reward"] >= thr for line in eps.read_text().splitlines()}
-
-
-def paired(a: dict[str, bool], b: dict[str, bool]) -> dict:
-    common = sorted(set(a) & set(b))
-    d = [float(a[t]) - float(b[t]) for t in common]
-    m = sum(d) / len(d)
-    sd = math.sqrt(sum((x - m) ** 2 for x in d) / max(1, len(d) - 1))
-    half = 1.96 * sd / math.sqrt(len(d))
-    return {"mean": m, "low": m - half, "high": m + half, "n": len(d)}
 
 
 def rate(x: dict[str, bool]) -> float:

@@ -236,17 +236,17 @@ def test_sigkill_mid_round_then_resume_gives_the_uninterrupted_bank_and_incumben
 # ----------------------------------------------------------------------------- a worse student, a trained student
 
 
-def build_policy_project(root: Path):
+def build_policy_project(root: Path, house_rules: bool = False):
     """`lopd init --example orders --model tiny` (the shipped base policy) in the plain world,
     where it has the skill and succeeds on some tasks (under house rules it rarely does), with
-    short episodes, and a bank of 24 oracle successes."""
+    short episodes, and a bank of 24 oracle successes (of the plain world)."""
     from lopd_cli.bank.store import Bank
     from lopd_cli.envs.orders import OrdersEnv
     from lopd_cli.project.scaffold import create_project
 
     proj = create_project(root, example="orders", model="tiny")
     data = yaml.safe_load((proj.recipes_dir / "toolcall.yaml").read_text())
-    deep_update(data, {"env": {"kwargs": {"n_train": 40, "n_validation": 8, "n_test": 8, "house_rules": False}},
+    deep_update(data, {"env": {"kwargs": {"n_train": 40, "n_validation": 8, "n_test": 8, "house_rules": house_rules}},
                        "rollout": {"max_new_tokens": 48, "max_turns": 3, "rollouts_per_step": 4, "batch_size": 8},
                        "train": {"micro_batch": 4}})
     (proj.recipes_dir / "toolcall.yaml").write_text(yaml.safe_dump(data))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _train_fixtures import deep_update, oracle_records
+from _train_fixtures import deep_update
 from lopd_cli.pipeline.evolve import gate_with_retention, paired_gate, retention_check
 
 
@@ -51,22 +51,12 @@ ROUND = ["evolve.tasks_per_round=2", "evolve.samples_per_task=1", "evolve.steps=
 def build_project(root: Path):
     """The shipped tiny base policy; target: the orders world under house rules (it rarely
     succeeds there); retention world: the plain orders world (recipes/plain.yaml), where it does."""
-    from lopd_cli.bank.store import Bank
-    from lopd_cli.envs.orders import OrdersEnv
-    from lopd_cli.project.scaffold import create_project
+    from test_evolve import build_policy_project
 
-    proj = create_project(root, example="orders", model="tiny")
+    proj = build_policy_project(root, house_rules=True)
     data = yaml.safe_load((proj.recipes_dir / "toolcall.yaml").read_text())
-    deep_update(data, {"env": {"kwargs": {"n_train": 40, "n_validation": 8, "n_test": 8, "house_rules": True}},
-                       "rollout": {"max_new_tokens": 48, "max_turns": 3, "rollouts_per_step": 4, "batch_size": 8},
-                       "train": {"micro_batch": 4}})
-    (proj.recipes_dir / "toolcall.yaml").write_text(yaml.safe_dump(data))
-    deep_update(data, {"name": "plain", "env": {"kwargs": {"house_rules": False}}})
+    deep_update(data, {"name": "plain", "env": {"kwargs": {**data["env"]["kwargs"], "house_rules": False}}})
     (proj.recipes_dir / "plain.yaml").write_text(yaml.safe_dump(data))
-    recipe = proj.load_recipe("toolcall")
-    tasks = OrdersEnv(n_train=40, n_validation=8, n_test=8).tasks("train")[:24]
-    with Bank(proj.bank_path(recipe), recipe.bank.min_reward) as bank:
-        bank.add_records(list(oracle_records(tasks)), source="oracle")
     return proj
 
 

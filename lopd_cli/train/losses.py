@@ -318,12 +318,7 @@ def generalized_jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, alpha: f
     Jensen-Shannon divergence (1 − α) KL(S ‖ M) + α KL(T ‖ M), M = (1 − α) S + α T.
     Empty buckets (log −inf, e.g. the tail when k ≥ V) contribute 0."""
     s, t = student_logprobs.float(), teacher_logprobs.detach().float()
-
-    def kl(p: Tensor, q: Tensor) -> Tensor:  # Σ p (log p − log q), 0 where p has no mass
-        empty = torch.isneginf(p)
-        zero = torch.zeros((), dtype=p.dtype, device=p.device)
-        return torch.where(empty, zero, p.exp() * (torch.where(empty, zero, p) - torch.where(empty, zero, q))).sum(-1)
-
+    kl = topm_kl_per_token  # KL(p ‖ q) over the buckets, 0 where p has no mass
     if alpha == 0.0:
         return kl(t, s)
     if alpha == 1.0:
