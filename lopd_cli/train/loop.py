@@ -361,12 +361,10 @@ def composer_rows(tr: Trainer, episodes: list[Episode], step: int) -> list[bool]
 
 def sdpo_setup(tr: Trainer):
     from lopd_cli.train.sdpo import SdpoSetup
-    from lopd_cli.train.step import ema_adapter
+    from lopd_cli.train.step import ema_adapter, teacher_view_for
 
     t, s = tr.recipe.train, tr.recipe.train.sdpo
-    adapter = ema_adapter(tr)
-    view = (ad.use_student if t.teacher == "live"
-            else (lambda m: ad.use_encoder(m, adapter)) if adapter is not None else None)
+    view = teacher_view_for(t.teacher == "live", ema_adapter(tr))
     return SdpoSetup(tr.model, tr.tokenizer, s.top_k, s.alpha, s.is_clip, tr.recipe.eval.success_threshold,
                      s.feedback, tr.recipe.bank.obs_char_budget, t.micro_batch, t.logit_chunk,
                      teacher_model=tr.teacher, teacher_view=view, autocast=tr.autocast)

@@ -264,10 +264,16 @@ def prepare_batch(setup: StepSetup, episodes: Sequence[Episode], refs: Sequence[
 
 
 def _teacher_view(setup: StepSetup) -> Callable | None:
-    if setup.teacher_live:
+    return teacher_view_for(setup.teacher_live, setup.teacher_adapter)
+
+
+def teacher_view_for(live: bool, adapter: str | None) -> Callable | None:
+    """The view of the model a teacher pass runs under: the student's (`train.teacher: live`),
+    an adapter of its own (a LoRA student's EMA teacher), or None: adapters off."""
+    if live:
         return use_student
-    if setup.teacher_adapter is not None:
-        return lambda m: use_encoder(m, setup.teacher_adapter)
+    if adapter is not None:
+        return lambda m: use_encoder(m, adapter)
     return None
 
 
