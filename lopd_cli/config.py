@@ -313,6 +313,9 @@ class TrainSection(Section):
         description="Teacher: base (frozen backbone), init (init_from's student, frozen), live (the student) or ema (its moving average).")
     teacher_from: str | None = Field(
         None, description="A run or checkpoint whose student, frozen, is the teacher (a copy beside the student); null: train.teacher.")
+    teacher_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="A frozen teacher copy's weights (full student): auto = bfloat16 where the device has fast bf16, else model.dtype.")
     teacher_ema_rate: float = Field(
         0.05, gt=0.0, le=1.0, description="train.teacher=ema: the fraction of the way to the student the teacher moves each step.")
     @model_validator(mode="before")
@@ -325,7 +328,10 @@ class TrainSection(Section):
 
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp",
-        description="Under torchrun: ddp (data parallel, whole model per rank) or fsdp (FSDP2: weights, grads, optimiser states sharded between steps).")
+        description="Under torchrun: ddp (data parallel, whole model per rank) or fsdp (FSDP2: weights, grads, optimiser states sharded).")
+    fsdp_gather: Literal["layer", "step"] = Field(
+        "layer",
+        description="train.parallel=fsdp: gather each layer for its own forward and backward (layer) or every layer once per step (step).")
     distill: DistillSection = Field(default_factory=DistillSection, description="LOPD and OPSD: the distillation loss.")
     lopd: LopdSection = Field(
         default_factory=LopdSection,

@@ -60,8 +60,8 @@ def other_value(default):
 
 
 def test_every_key_and_section_has_a_one_line_description():
-    assert len(LEAVES) == 147  # 107 + the 16 evolve keys + train.parallel + train.activation_checkpointing
-    # + train.teacher_ema_rate + train.teacher_from + train.sdpo's 5
+    assert len(LEAVES) == 149  # 107 + the 16 evolve keys + train.parallel + train.activation_checkpointing
+    # + train.teacher_ema_rate + train.teacher_from + train.sdpo's 5 + train.fsdp_gather + train.teacher_dtype
     # + env.mcp's 13 keys and its reset hook's 2
     for key, field in LEAVES.items():
         d = field.description or ""

@@ -1,7 +1,10 @@
 """`train.parallel: fsdp` (train/sharding.py) and the explicit teacher (`train.teacher`).
 
-Sharded: 2 gloo processes under torchrun give the losses and updated weights of 1 process, for a
-LoRA and a full student (and with activation checkpointing on); a SIGKILLed sharded run resumes to what an uninterrupted one gives;
+Sharded (per-layer gathering, the default, and gather-once): 2 gloo processes under torchrun give
+the losses and updated weights of 1 process over 2 LOPD and 2 SFT steps, for a LoRA and a full
+student (and with activation checkpointing on); ranks whose steps differ (composer rows on one
+rank only, different micro-batch counts, cached latents) keep the uniform schedule and do not
+hang; a SIGKILLed sharded run resumes to what an uninterrupted one gives;
 `lopd export --merge-lora` turns a sharded checkpoint into a plain transformers model.
 Teacher: a full student's teacher is a frozen copy (base or init) or the student itself (live);
 a LoRA student's live teacher reads its adapter; the composer objective never trains θ."""
@@ -38,8 +41,8 @@ def _train_cmd(project, name: str, sets: list[str], nproc: int = 1, resume: bool
     return [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), *lopd]
 
 
-def _check(cmd: list[str]) -> None:
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
+def _check(cmd: list[str], timeout: int = 900) -> None:
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -214,6 +217,43 @@ def test_two_fsdp_processes_match_one_process(runs, student):
     assert sorted(p.name for p in (latest / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     state = torch.load(latest / "state.pt", weights_only=False)
     assert state["student_opt"] is None and state["sharded_optimizers"] == ["composer_opt", "student_opt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student", ["lora", "full"])
+def test_two_fsdp_processes_match_one_process_in_sft(project, student):
+    sets = [f"model.student={student}", "train.steps=2", "train.algo=sft"]
+    from lopd_cli.train.loop import train
+
+    train(project, project.load_recipe("toolcall", SETS + sets), project.runs_dir / f"sft-one-{student}")
+    _check(_train_cmd(project, f"sft-fsdp-{student}", sets + FSDP, nproc=2))
+    one, two = project.runs_dir / f"sft-one-{student}", project.runs_dir / f"sft-fsdp-{student}"
+    m2 = read_metrics(two)
+    assert [r["step"] for r in m2] == [1, 2] and m2[-1]["nll"] > 0
+    assert _max_metric_diff(read_metrics(one), m2) <= TOL
+    for step in ("step_1", "step_2"):
+        assert _max_weight_diff(one / "checkpoints" / step, two / "checkpoints" / step) <= TOL
+
+
+@pytest.mark.slow
+def test_ranks_with_different_steps_keep_the_uniform_schedule(project):
+    """One composer row in the whole batch (so one rank runs a composer pass and the other none),
+    micro-batches of 1 (so the ranks run 1 and 2 plain passes), the contrastive term and the
+    privilege gate on (extra teacher passes), latents cached between passes: per-layer FSDP
+    finishes (without the schedule this run deadlocks in its first step) and gives what data
+    parallel gives, and so does gather-once (`train.fsdp_gather: step`)."""
+    sets = ["train.steps=2", "train.micro_batch=1", "train.lopd.composer_batch=1", "train.lopd.contrastive_weight=0.1",
+            "train.distill.privilege_gate=true"]
+    _check(_train_cmd(project, "uneven-ddp", sets, nproc=2), timeout=300)
+    _check(_train_cmd(project, "uneven-layer", sets + FSDP, nproc=2), timeout=300)
+    _check(_train_cmd(project, "uneven-step", sets + FSDP + ["train.fsdp_gather=step"], nproc=2), timeout=300)
+    ddp = project.runs_dir / "uneven-ddp"
+    m = read_metrics(ddp)
+    assert [r["composer_rows"] for r in m] == [1, 1] and all(r["grad_norm_composer"] > 0 for r in m)
+    for name in ("uneven-layer", "uneven-step"):
+        run = project.runs_dir / name
+        assert _max_metric_diff(m, read_metrics(run)) <= TOL
+        assert _max_weight_diff(ddp / "checkpoints" / "step_2", run / "checkpoints" / "step_2") <= TOL
 
 
 @pytest.mark.slow

@@ -295,6 +295,12 @@ class Composer(nn.Module):
     def encode_ids(self, sequences: Sequence[Sequence[int]], key_masks: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
         """Token sequences → latents (N, K, d), encoded `encode_batch_size` at a time. `key_masks`:
         per sequence, which tokens χ reads (None: all of them)."""
+        from lopd_cli.train import lockstep
+
+        # The uniform schedule of a per-layer sharded step: as many encoder passes as the rank with the
+        # most, agreed before any of them runs; a filler pass joins the graph with weight 0.
+        n_chunks = -(-len(sequences) // self.encode_batch_size)
+        n_fillers = lockstep.count(n_chunks) - n_chunks
         out = []
         for start in range(0, len(sequences), self.encode_batch_size):
             chunk = sequences[start : start + self.encode_batch_size]
@@ -306,10 +312,16 @@ class Composer(nn.Module):
                 for i, (s, k) in enumerate(zip(chunk, key_masks[start : start + self.encode_batch_size])):
                     keys[i, : len(s)] = torch.tensor(list(k) if k is not None else [1] * len(s), dtype=mask.dtype)
             out.append(self.resampler(hidden, mask, keys))
+        filler = None
+        for _ in range(n_fillers):
+            hidden, mask = self._encode_chunk([list(sequences[0]) if sequences else [self.tokenizer.pad_token_id or 0]])
+            f = self.resampler(hidden.to(self.resampler.queries.dtype), mask).sum() * 0.0
+            filler = f if filler is None else filler + f
         if not out:
             d = self.dims.dim
             return self.resampler.queries.new_zeros(0, self.dims.num_queries, d)
-        return torch.cat(out, dim=0)
+        latents = torch.cat(out, dim=0)
+        return latents if filler is None else latents + filler
 
     def _encode_chunk(self, chunk: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         device = next(self.backbone.parameters()).device

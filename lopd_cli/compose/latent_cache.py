@@ -48,12 +48,17 @@ class LatentCache:
     def fill(self, composer0, task_instructions: Sequence[str], items_per_task: Sequence[Sequence],
              batch_tasks: int = 8) -> int:
         """Compute and store the missing entries with the cold-start composer; returns how many."""
+        from lopd_cli.train import lockstep
+
         todo = [(t, its) for t, its in zip(task_instructions, items_per_task) if its and self.get(t, its) is None]
-        for start in range(0, len(todo), batch_tasks):
-            chunk = todo[start : start + batch_tasks]
+        chunks = [todo[start : start + batch_tasks] for start in range(0, len(todo), batch_tasks)]
+        # a per-layer sharded step runs as many composer passes on every rank (fillers are not stored)
+        known = [(t, its) for t, its in zip(task_instructions, items_per_task) if its][:1]
+        for chunk, real in lockstep.padded(chunks, lambda: known):
             latents = composer0([its for _, its in chunk], [t for t, _ in chunk])
-            for (t, its), lat in zip(chunk, latents):
-                self.put(t, its, lat)
+            if real:
+                for (t, its), lat in zip(chunk, latents):
+                    self.put(t, its, lat)
         return len(todo)
 
     def get_or_fill(self, composer0, task_instructions: Sequence[str], items_per_task: Sequence[Sequence], device=None) -> torch.Tensor:

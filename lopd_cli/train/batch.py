@@ -91,3 +91,12 @@ def to_student_layout(teacher_hidden: torch.Tensor, tb: TeacherBatch, shape: tup
     rows = teacher_hidden[tb.batch_index, tb.teacher_pos - 1]
     out = teacher_hidden.new_zeros((B, Tm1, teacher_hidden.shape[-1]))
     return out.index_put((tb.batch_index, tb.student_pos - 1), rows)
+
+
+def filler_batch(episodes: Sequence[Episode], pad: int, device) -> StudentBatch:
+    """A one-row batch for a filler pass of the uniform schedule (train/lockstep.py): the first
+    episode, with at least one supervised token so that losses weighted by 0 stay finite."""
+    sb = collate([episodes[0]], pad, device)
+    if sb.n_tokens == 0:
+        sb.mask[0, -1] = True
+    return sb

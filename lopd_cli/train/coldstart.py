@@ -232,9 +232,10 @@ def composer_optimizer(model, composer: Composer, lr_encoder: float, lr_resample
     """AdamW with ψ (group 0) and χ (group 1) at their own learning rates, both ramped up
     linearly over `warmup_steps` optimiser steps (step s runs at (s+1)/warmup of the rate)."""
     lora, chi = composer_param_groups(model, composer)
-    opt = torch.optim.AdamW([{"params": lora, "lr": lr_encoder, "name": "encoder"},
-                             {"params": chi, "lr": lr_resampler, "name": "resampler"}],
-                            lr=lr_resampler, weight_decay=weight_decay)
+    from lopd_cli.train.optim import adamw
+
+    opt = adamw([{"params": lora, "lr": lr_encoder, "name": "encoder"},
+                 {"params": chi, "lr": lr_resampler, "name": "resampler"}], lr=lr_resampler, weight_decay=weight_decay)
     warm = max(0, int(warmup_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     return opt, sched

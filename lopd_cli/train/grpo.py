@@ -17,8 +17,8 @@ import torch
 from lopd_cli.agent.types import Episode
 from lopd_cli.compose.latent import output_head
 from lopd_cli.models.adapters import teacher_view, use_student
-from lopd_cli.train import losses
-from lopd_cli.train.batch import BatchTotals, collate, student_hidden
+from lopd_cli.train import lockstep, losses
+from lopd_cli.train.batch import BatchTotals, collate, filler_batch, student_hidden
 
 
 @dataclass
@@ -60,13 +60,14 @@ def grpo_update(setup: GrpoSetup, episodes: Sequence[Episode], group_ids: Sequen
     n_seq_total = max(1, totals.n_sequences if totals else full.n_sequences)
     out = GrpoOutcome(n_tokens=full.n_tokens, adv_abs=float(adv.abs().mean()))
     t0 = time.perf_counter()
+    chunks = []
     for lo in range(0, len(episodes), setup.micro_batch):
-        eps = list(episodes[lo : lo + setup.micro_batch])
-        sb = collate(eps, pad, device)
-        if sb.n_tokens == 0:
-            continue
-        w = sb.n_sequences / n_seq_total
-        a = adv[lo : lo + len(eps)].to(device)
+        sb = collate(list(episodes[lo : lo + setup.micro_batch]), pad, device)
+        if sb.n_tokens:
+            chunks.append((lo, sb))
+    for (lo, sb), real in lockstep.padded(chunks, lambda: (0, filler_batch(episodes, pad, device))):
+        w = sb.n_sequences / n_seq_total if real else 0.0  # a filler pass of the uniform schedule weighs 0
+        a = adv[lo : lo + sb.input_ids.shape[0]].to(device)
         ref = None
         if setup.kl_coef > 0:
             with torch.no_grad(), teacher_view(model):
@@ -78,6 +79,8 @@ def grpo_update(setup: GrpoSetup, episodes: Sequence[Episode], group_ids: Sequen
         res = losses.grpo_loss(new, sb.behaviour_logprobs, a, sb.mask, clip_eps=setup.clip_eps,
                                ref_logprobs=ref, kl_coef=setup.kl_coef)
         (res.loss * w).backward()
+        if not real:
+            continue
         out.loss += float(res.loss.detach()) * w
         out.clip_fraction += float(res.clip_fraction) * w
         out.kl_ref += float(res.kl) * w

@@ -21,8 +21,9 @@ average of it (train/ema_teacher.py).
 
 Under torchrun / accelerate launch each rank rolls out its share of the step's tasks and the
 gradients are summed over ranks (train/distributed.py); in one process every helper there is
-the identity. `train.parallel: fsdp` shards the backbone with FSDP2 (train/sharding.py): each
-step runs inside `sharding.gathered`, and the checkpoints hold the optimiser states sharded.
+the identity. `train.parallel: fsdp` shards the backbone with FSDP2 (train/sharding.py): rollouts
+run on gathered weights, the update per layer (`train.fsdp_gather`), and the checkpoints hold
+the optimiser states sharded.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from lopd_cli.train import sharding
 from lopd_cli.train.batch import BatchTotals, batch_totals
 from lopd_cli.train.grpo import GrpoSetup, grpo_update
 from lopd_cli.train.metrics import MetricsLog, peak_memory_mb
-from lopd_cli.train.optim import _grad_norm, _student_params, _sum_gradients
+from lopd_cli.train.optim import _grad_norm, _student_params, _sum_gradients, adamw
 from lopd_cli.train.precision import model_device, resolve_autocast
 from lopd_cli.train.sampler import TaskSampler
 from lopd_cli.train.step import NoGradLatents, dual_step, rollout_phase, step_metrics, trainer_step
@@ -131,7 +132,7 @@ def build_trainer(project: Project, recipe: Recipe, run_dir: Path, show_progress
     ad.set_trainable(model, trainable)
     env_factory = make_env_factory(recipe)
     tasks = select_tasks(env_factory, "train", None)
-    student_opt = torch.optim.AdamW(_student_params(model), lr=t.lr)
+    student_opt = adamw(_student_params(model), lr=t.lr)
     tr = Trainer(
         project=project, recipe=recipe, run_dir=run_dir, model=model, tokenizer=tok,
         env_factory=env_factory, reward_fn=load_reward(recipe), train_tasks=tasks,
@@ -200,7 +201,21 @@ def load_teacher_copy(backbone: str, recipe: Recipe, search: list) -> Any:
     model, _ = load_backbone(backbone, recipe.model.dtype, recipe.model.device, search)
     model.requires_grad_(False)
     model.eval()
-    return model
+    return frozen_teacher_dtype(model, recipe)
+
+
+def frozen_teacher_dtype(model: Any, recipe: Recipe) -> Any:
+    """`train.teacher_dtype`: a frozen teacher copy is only read, so it can be held in bf16 (half
+    the memory of fp32 weights) where the passes run in bf16 anyway. An EMA teacher keeps the
+    model's dtype: its small steps would round away."""
+    want = recipe.train.teacher_dtype
+    if want == "auto":
+        from lopd_cli.train.precision import device_has_fast_bf16, model_device
+
+        want = "bfloat16" if device_has_fast_bf16(model_device(model)) else None
+    if want is None or recipe.train.teacher == "ema":
+        return model
+    return model.to(getattr(torch, want))
 
 
 def load_teacher_from(project: Project, recipe: Recipe) -> Any:
@@ -222,7 +237,7 @@ def load_teacher_from(project: Project, recipe: Recipe) -> Any:
         model = model.merge_and_unload()
     model.requires_grad_(False)
     model.eval()
-    return model
+    return frozen_teacher_dtype(model, recipe)
 
 
 def init_teacher_backbone(project: Project, recipe: Recipe, run_dir: Path) -> Path:
@@ -483,14 +498,16 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     if tr.algo == "sft":
         from lopd_cli.train.sft import sft_step
 
-        return sft_step(tr)
+        with sharding.stepping(tr.sharding, tr.recipe.train.fsdp_gather):
+            return sft_step(tr)
     step = tr.state.step + 1
     t0 = time.perf_counter()
     tasks, group_ids = pick_tasks(tr)
     # Distributed: the same global task list on every rank, each rolling out its own share.
     dist.check_step_split(len(tasks), group_size(tr.recipe))
     lo, hi = dist.shard_range(len(tasks))
-    local = rollout_phase(tr, tasks[lo:hi], step, progress, index_offset=lo)
+    with sharding.gathered(tr.sharding, teacher=False):
+        local = rollout_phase(tr, tasks[lo:hi], step, progress, index_offset=lo)
     episodes = dist.gather_lists(local)
     t_roll = dist.all_reduce_max({"t": time.perf_counter() - t0})["t"]
     tr.state.rollouts_total += len(episodes)
@@ -507,12 +524,13 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
         "episode_errors": failed,
     }
     rows = composer_rows(tr, episodes, step)
-    if rows is None:
-        row.update(update(tr, local, group_ids[lo:hi], batch_totals(episodes)))
-    else:
-        row.update(update(tr, local, group_ids[lo:hi], batch_totals(episodes), rows[lo:hi],
-                          batch_totals([ep for ep, r in zip(episodes, rows) if r]), phi_step=any(rows)))
-        row["composer_rows"] = sum(rows)
+    with sharding.stepping(tr.sharding, tr.recipe.train.fsdp_gather):
+        if rows is None:
+            row.update(update(tr, local, group_ids[lo:hi], batch_totals(episodes)))
+        else:
+            row.update(update(tr, local, group_ids[lo:hi], batch_totals(episodes), rows[lo:hi],
+                              batch_totals([ep for ep, r in zip(episodes, rows) if r]), phi_step=any(rows)))
+            row["composer_rows"] = sum(rows)
     if tr.algo == "lopd":
         row["beta"] = tr.state.beta
     if tr.recipe.bank.grow and tr.algo in ("lopd", "opsd"):
@@ -709,10 +727,11 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
     t = recipe.train
     try:
         while tr.state.step < t.steps:
-            with sharding.gathered(tr.sharding):
+            # fsdp_gather=step: the whole step on gathered units (the contexts inside are no-ops)
+            with sharding.gathered(tr.sharding if t.fsdp_gather == "step" else None):
                 row = train_step(tr, progress)
             if t.eval_every and tr.state.step % t.eval_every == 0:
-                with sharding.gathered(tr.sharding):
+                with sharding.gathered(tr.sharding, teacher=False):
                     row.update(validate(tr, tr.state.step))
                     row.update(composer_health_row(tr, tr.state.step))
             tr.metrics.log(row)

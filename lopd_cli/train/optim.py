@@ -15,6 +15,14 @@ if TYPE_CHECKING:
     from lopd_cli.train.trainer import Trainer
 
 
+def adamw(params: list, **kwargs) -> torch.optim.AdamW:
+    """AdamW, fused into one kernel per step where every parameter sits on a CUDA device (the CPU
+    keeps the default multi-tensor path, whose numbers the behaviour pin holds)."""
+    flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    fused = bool(flat) and all(p.device.type == "cuda" for p in flat)
+    return torch.optim.AdamW(params, fused=True if fused else None, **kwargs)
+
+
 def _student_params(model) -> list[torch.nn.Parameter]:
     name = ad.STUDENT if ad.has_student_adapter(model) else ad.BASE
     return ad.adapter_parameters(model, name)

@@ -43,8 +43,8 @@ from lopd_cli.agent.types import Episode
 from lopd_cli.compose.latent import build_teacher_batch, output_head, teacher_hidden
 from lopd_cli.models.adapters import use_student
 from lopd_cli.train import distributed as dist
-from lopd_cli.train import losses
-from lopd_cli.train.batch import BatchTotals, collate, student_hidden, to_student_layout
+from lopd_cli.train import lockstep, losses
+from lopd_cli.train.batch import BatchTotals, collate, filler_batch, student_hidden, to_student_layout
 
 # Upstream's reprompt templates (verl actor config, self_distillation), verbatim.
 REPROMPT = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"
@@ -171,12 +171,15 @@ def sdpo_update(setup: SdpoSetup, episodes: Sequence[Episode], group_ids: Sequen
                                                         if i not in solutions else None), ep.task.tools)
 
     seconds = {"teacher": 0.0, "student": 0.0}
+    chunks = []
     for lo in range(0, len(rows), setup.micro_batch):
         idx = rows[lo: lo + setup.micro_batch]
+        sb = collate([episodes[i] for i in idx], pad, device)
+        if sb.n_tokens:
+            chunks.append((idx, sb))
+    # the uniform schedule of a per-layer sharded step: filler passes (the first row; weight 0)
+    for (idx, sb), real in lockstep.padded(chunks, lambda: ([0], filler_batch(episodes, pad, device))):
         eps = [episodes[i] for i in idx]
-        sb = collate(eps, pad, device)
-        if sb.n_tokens == 0:
-            continue
         t0 = time.perf_counter()
         with use_student(model), torch.autocast(device.type, torch.bfloat16, enabled=setup.autocast):
             s_pred = student_hidden(model, sb)
@@ -196,6 +199,9 @@ def sdpo_update(setup: SdpoSetup, episodes: Sequence[Episode], group_ids: Sequen
         if setup.is_clip is not None:
             per_token = per_token * losses.clipped_is_ratio(s_tok, s_tok.detach(), setup.is_clip)
         loss = torch.where(sb.mask, per_token, torch.zeros_like(per_token)).sum() / max(1, n_tok_total)
+        if not real:
+            (loss * 0.0).backward()
+            continue
         loss.backward()
         out.loss += float(loss.detach())
         seconds["teacher"] += t2 - t1

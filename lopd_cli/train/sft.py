@@ -37,8 +37,8 @@ from lopd_cli.compose.latent import output_head
 from lopd_cli.errors import LopdError
 from lopd_cli.models.adapters import use_student
 from lopd_cli.train import distributed as dist
-from lopd_cli.train import losses
-from lopd_cli.train.batch import batch_totals, collate, student_hidden
+from lopd_cli.train import lockstep, losses
+from lopd_cli.train.batch import batch_totals, collate, filler_batch, student_hidden
 from lopd_cli.train.metrics import peak_memory_mb
 from lopd_cli.train.sampler import TaskSampler
 
@@ -134,14 +134,17 @@ def nll_update(tr: "Trainer", local: list[Episode], total_tokens: int) -> tuple[
     head = output_head(model)
     pad = tr.tokenizer.pad_token_id or 0
     loss, n_tokens = 0.0, 0
-    for lo in range(0, len(local), t.micro_batch):
-        sb = collate(local[lo: lo + t.micro_batch], pad, device)
-        if sb.n_tokens == 0:
-            continue
+    chunks = [sb for sb in (collate(local[lo: lo + t.micro_batch], pad, device)
+                            for lo in range(0, len(local), t.micro_batch)) if sb.n_tokens]
+    # the uniform schedule of a per-layer sharded step: filler passes weigh 0
+    for sb, real in lockstep.padded(chunks, lambda: filler_batch(local or _ensure_pool(tr), pad, device)):
         with use_student(model), torch.autocast(device.type, torch.bfloat16, enabled=tr.autocast):
             lp = losses.chunked_token_logprobs(student_hidden(model, sb), head, sb.targets, mask=sb.mask,
                                                chunk_size=t.logit_chunk)
         part = -(lp * sb.mask).sum() / max(1, total_tokens)
+        if not real:
+            (part * 0.0).backward()
+            continue
         part.backward()
         loss += float(part.detach())
         n_tokens += sb.n_tokens

@@ -10,17 +10,24 @@ it stays replicated and its gradients are all-reduced as in data parallel
 (`distributed.sum_gradients`). Between steps every rank holds 1/world of the weights, of their
 gradients and of the optimiser states (AdamW's two moments: twice the trainable weights in fp32).
 
-How a step runs (`gathered`): each FSDP unit is all-gathered once at the start of a step, in the
-same order on every rank, and stays whole until the gradients are reduced. A LOPD step is
-data-dependent per rank (multi-turn rollouts of different lengths, the composer pass on some rows
-only, encoder passes skipped for cached latents), so a per-layer all-gather in every forward
-would need every rank to run the same sequence of forwards and backwards; gathering once makes
-the forwards and backwards collective-free. Backward passes accumulate local, unsharded
-gradients (`set_requires_gradient_sync(False)`); `sum_gradients` then reduce-scatters them once
-per unit (a summing reduce-scatter: each rank's losses are already weighted by the global batch
-counts) and reshards, and the optimisers step on the shards. So during a step a rank holds the
-whole weights (as under data parallel, and as rollouts need anyway) plus the whole gradients of
-what trains; what sharding saves is the optimiser states and, between steps, everything else.
+How a step runs (`stepping`, `train.fsdp_gather`):
+    * layer (default, `per_layer`): each decoder layer is all-gathered for its own forward and
+      resharded after it, gathered again for its backward, and its gradients are reduce-scattered
+      into the shards as that backward ends (ZeRO-3), so a rank holds one layer's whole weights
+      and gradients at a time beside its shards. The root unit (embeddings, final norm, LM head:
+      lopd reads the head directly, outside the root's forward) stays whole for the update and
+      its gradients are reduce-scattered once at the end (`sum_gradients`). Because every pass
+      is now collective, a LOPD step, which differs between ranks (rollouts of different lengths,
+      the composer pass on some rows only, encoder passes skipped for cached latents), runs on
+      the uniform schedule of train/lockstep.py: the same number of micro-batches, encoder
+      chunks and cache fills on every rank, filler passes weighing 0 where a rank has fewer;
+    * step (`gathered`): each FSDP unit is all-gathered once at the start of a step and stays
+      whole until the gradients are reduced; backward passes accumulate local, unsharded
+      gradients and `sum_gradients` reduce-scatters them once per unit. The forwards and
+      backwards are then collective-free; a rank holds the whole weights and the whole gradients
+      of what trains during a step, and sharding saves the optimiser states.
+Rollouts and validation (HF generate: a different number of forwards on each rank) run with the
+student's units gathered whole (`gathered`), as inference needs them anyway.
 
 Checkpoints (`save_optimizers`, `load_optimizers`): the student and the composer are written
 whole by rank 0 in their usual formats (`full_state_dict`: each weight that training changes
@@ -55,10 +62,15 @@ class Sharding:
     model: Any  # the peft-wrapped student backbone
     student_units: list = field(default_factory=list)  # FSDPModule, root last
     teacher_units: list = field(default_factory=list)
+    whole: bool = False  # inside `gathered`: every unit is whole
 
     @property
     def units(self) -> list:
         return self.student_units + self.teacher_units
+
+    @property
+    def roots(self) -> list:
+        return [u[-1] for u in (self.student_units, self.teacher_units) if u]
 
 
 def _rng_kept(device: torch.device):
@@ -130,23 +142,86 @@ def shard_trainer(tr) -> Sharding:
 
 
 @contextmanager
-def gathered(sh: Sharding | None) -> Iterator[None]:
+def gathered(sh: Sharding | None, teacher: bool = True) -> Iterator[None]:
     """Every unit whole for the duration (one all-gather each, in the same order on every rank),
-    with backward passes accumulating local gradients; resharded on exit. No-op without FSDP."""
-    if sh is None:
+    with backward passes accumulating local gradients; resharded on exit. `teacher` False leaves
+    a teacher copy sharded (rollouts and validation do not read it). No-op without FSDP, or
+    inside another `gathered`."""
+    if sh is None or sh.whole:
         yield
         return
-    for m in sh.units:
+    units = sh.units if teacher else sh.student_units
+    for m in units:
         m.set_reshard_after_forward(False, recurse=False)
         m.set_reshard_after_backward(False, recurse=False)
         m.set_requires_gradient_sync(False, recurse=False)
-    for m in sh.units:
+    for m in units:
         m.unshard()
+    sh.whole = True
     try:
         yield
     finally:
+        sh.whole = False
+        for m in units:
+            m.reshard()
+
+
+@contextmanager
+def per_layer(sh: Sharding | None) -> Iterator[None]:
+    """An update with each decoder layer gathered for its own forward and backward and its
+    gradients reduce-scattered as its backward ends; the roots whole for the duration (their
+    gradients reduced by `sum_gradients`). Runs the step's loops on the uniform schedule. No-op
+    without FSDP, or inside `gathered`."""
+    from lopd_cli.train import lockstep
+
+    if sh is None or sh.whole:
+        yield
+        return
+    roots = sh.roots
+    for m in sh.units:
+        layer = not any(m is r for r in roots)
+        m.set_reshard_after_forward(layer, recurse=False)
+        m.set_reshard_after_backward(layer, recurse=False)
+        m.set_requires_gradient_sync(layer, recurse=False)
+    for m in sh.student_units:
+        m.set_reduce_scatter_unused_params(True, recurse=False)
+    for m in roots:
+        m.unshard()
+    try:
+        with lockstep.on():
+            yield
+    finally:
         for m in sh.units:
             m.reshard()
+
+
+def stepping(sh: Sharding | None, mode: str):
+    """The update's context under `train.fsdp_gather` (`layer`: `per_layer`; `step`: `gathered`)."""
+    return per_layer(sh) if mode == "layer" else gathered(sh)
+
+
+def autograd_leaves(sh: Sharding | None, params: Sequence[torch.nn.Parameter]) -> list:
+    """What `backward(inputs=...)` must name for `params`: under FSDP2 a forward runs on each
+    parameter's unsharded twin (the graph's leaf), not on the sharded parameter the module holds
+    between passes (FSDP2 keeps the twin as `FSDPParam._unsharded_param`; no public accessor)."""
+    if sh is None:
+        return list(params)
+    twins = {}
+    for unit in sh.student_units:
+        group = unit._get_fsdp_state()._fsdp_param_group
+        for fp in group.fsdp_params if group is not None else []:
+            twins[id(fp.sharded_param)] = fp
+    out = []
+    for p in params:
+        fp = twins.get(id(p))
+        if fp is None or not hasattr(fp, "_unsharded_param"):
+            out.append(p)
+            continue
+        # peft's adapter switches flip requires_grad on the parameters a module holds at that moment;
+        # a twin unsharded inside such a switch keeps the flipped flag until its next all-gather
+        fp._unsharded_param.requires_grad_(p.requires_grad)
+        out.append(fp._unsharded_param)
+    return out
 
 
 def _is_dtensor(t) -> bool:

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -46,8 +46,8 @@ from lopd_cli.agent.types import Episode
 from lopd_cli.compose.latent import build_teacher_batch, output_head, teacher_hidden
 from lopd_cli.models.adapters import use_encoder, use_student
 from lopd_cli.train import distributed as dist
-from lopd_cli.train import losses
-from lopd_cli.train.batch import BatchTotals, StudentBatch, collate, student_hidden, to_student_layout
+from lopd_cli.train import lockstep, losses, sharding
+from lopd_cli.train.batch import BatchTotals, StudentBatch, collate, filler_batch, student_hidden, to_student_layout
 
 if TYPE_CHECKING:
     from lopd_cli.compose.latent import TeacherBatch
@@ -151,6 +151,7 @@ class MicroBatch:
     refs: list[list]
     sb: StudentBatch
     w_seq: float  # its share of the step's sequences
+    real: bool = True  # False: a filler pass of the uniform schedule (train/lockstep.py), weighing 0
 
 
 @dataclass
@@ -204,7 +205,7 @@ def lopd_step(setup: StepSetup, episodes: Sequence[Episode], refs: Sequence[list
         kl, s_tok = student_phase(setup, batch, mb, teacher)
         tally.out.kl += kl * mb.w_seq
         tally.kl_plain += kl * mb.w_seq
-        if batch.lopd:
+        if batch.lopd and mb.real:
             tally.out.delta += float(margin_of(setup, batch, mb, teacher.token_logprobs, s_tok)) * delta_share(
                 setup, mb.sb, batch.n_seq_total, batch.n_tok_total)
         tally.seconds["student"] += time.perf_counter() - t0
@@ -277,15 +278,28 @@ def teacher_view_for(live: bool, adapter: str | None) -> Callable | None:
     return None
 
 
-def micro_batches(batch: StepBatch, rows: list[int], size: int) -> Iterator[MicroBatch]:
-    """`rows` in chunks of `size`, collated on the model's device; chunks with no supervised token are left out."""
+def micro_batches(batch: StepBatch, rows: list[int], size: int) -> list[MicroBatch]:
+    """`rows` in chunks of `size`, collated on the model's device; chunks with no supervised token
+    are left out. Under the uniform schedule, filler chunks (weighing 0) follow up to the largest
+    count over ranks."""
+    out = []
     for lo in range(0, len(rows), size):
         chunk = rows[lo : lo + size]
         eps = [batch.episodes[i] for i in chunk]
         sb = collate(eps, batch.pad, batch.device)
         if sb.n_tokens == 0:
             continue
-        yield MicroBatch(chunk, eps, [list(batch.refs[i]) for i in chunk], sb, sb.n_sequences / batch.n_seq_total)
+        out.append(MicroBatch(chunk, eps, [list(batch.refs[i]) for i in chunk], sb, sb.n_sequences / batch.n_seq_total))
+    return [mb if real else replace(mb, w_seq=0.0, real=False)
+            for mb, real in lockstep.padded(out, lambda: filler_micro_batch(batch, rows))]
+
+
+def filler_micro_batch(batch: StepBatch, rows: list[int]) -> MicroBatch:
+    """A one-row pass of the same kind for a rank with no chunk of its own (at least one supervised
+    token, so that its zero-weighted losses stay finite)."""
+    i = rows[0] if rows else 0
+    sb = filler_batch([batch.episodes[i]], batch.pad, batch.device)
+    return MicroBatch([i], [batch.episodes[i]], [list(batch.refs[i])], sb, 0.0, real=False)
 
 
 # ------------------------------------------------------------------------------- phase 1
@@ -373,8 +387,9 @@ def privilege_gate(setup: StepSetup, batch: StepBatch, mb: MicroBatch, t_lp: tor
         w = losses.privilege_weights(t_lp, c_lp)
         w[~torch.tensor(have, device=w.device)] = 1.0  # no control in the batch: ungated
         m = mb.sb.mask.bool()
-        tally.gate_sum += float(w[m].sum())
-        tally.gate_n += int(m.sum())
+        if mb.real:
+            tally.gate_sum += float(w[m].sum())
+            tally.gate_n += int(m.sum())
     return w
 
 
@@ -427,10 +442,12 @@ def composer_phase(setup: StepSetup, batch: StepBatch, mb: MicroBatch, teacher: 
     hinge, w_pairs = None, 1.0
     if batch.n_successes:
         h, n_pairs = contrastive_term(setup, batch, mb, teacher, t_tok)
-        if n_pairs:
+        if n_pairs or lockstep.active():  # the schedule keeps the pass in the graph, weighing 0
             hinge, w_pairs = h, n_pairs / batch.n_successes
     wc_seq, wc_tok = sb.n_sequences / batch.c_seq_total, sb.n_tokens / batch.c_tok_total
     wc_task = len(mb.episodes) / batch.c_eps_total
+    if not mb.real:  # a filler pass: every term weighs 0
+        wc_seq = wc_tok = wc_task = w_pairs = 0.0
     weights = losses.TermWeights(kl=wc_seq, margin=wc_tok if setup.margin_advantage == "paper" else wc_seq,
                                  anchor=wc_task, contrastive=w_pairs)
     obj = losses.composer_objective(ckl.loss, beta, None, delta, anchor, setup.anchor_lambda,
@@ -442,6 +459,9 @@ def composer_phase(setup: StepSetup, batch: StepBatch, mb: MicroBatch, teacher: 
     teacher.hidden = teacher.latents = None  # the graph is spent: nothing of it outlives this phase
     del latents, obj, t_topm, t_tok
     out = tally.out
+    if not mb.real:
+        tally.seconds["composer"] += time.perf_counter() - t0
+        return
     if hinge is not None:
         out.contrastive += float(hinge.detach()) * w_pairs
     out.composer_kl += float(ckl.loss.detach()) * wc_seq
@@ -461,8 +481,10 @@ def contrastive_term(setup: StepSetup, batch: StepBatch, mb: MicroBatch, teacher
     perm, ok = other_task_order([ep.task.id for ep in mb.episodes])
     succ = _successes(setup, sb.rewards, sb.mask).tolist()
     keep = [i for i in range(len(mb.episodes)) if ok[i] and succ[i]]
-    if not keep:
+    if not keep and not lockstep.active():
         return latents.sum() * 0.0, 0
+    # the uniform schedule runs the other-latents pass on every micro-batch; without a pair it weighs 0
+    n_keep, keep = len(keep), keep or [0]
     with _autocast(setup.autocast, latents.device):
         th_o = teacher_hidden(batch.teacher, tb, latents[torch.tensor(perm, device=latents.device)],
                               view=batch.teacher_view)
@@ -471,7 +493,8 @@ def contrastive_term(setup: StepSetup, batch: StepBatch, mb: MicroBatch, teacher
     idx = torch.tensor(keep, device=latents.device)
     nll_own = losses.per_sequence_mean(-t_tok, sb.mask)[idx]
     nll_other = losses.per_sequence_mean(-other, sb.mask)[idx]
-    return losses.contrastive_hinge(nll_own, nll_other, setup.contrastive_margin), len(keep)
+    hinge = losses.contrastive_hinge(nll_own, nll_other, setup.contrastive_margin)
+    return (hinge if n_keep else hinge * 0.0), n_keep
 
 
 def margin_of(setup: StepSetup, batch: StepBatch, mb: MicroBatch, t_tok: torch.Tensor,
@@ -570,7 +593,7 @@ def composer_leaves(tr: Trainer) -> Callable[[], list] | None:
 
     def leaves() -> list:
         psi = [p for p in ad.adapter_parameters(tr.model, ad.ENCODER) if p.requires_grad]
-        return psi + [p for p in tr.composer.parameters() if p.requires_grad]
+        return sharding.autograd_leaves(tr.sharding, psi) + [p for p in tr.composer.parameters() if p.requires_grad]
 
     return leaves
 
@@ -648,7 +671,7 @@ def encode_latents(composer, refs: Sequence[Sequence], instrs: Sequence[str],
     keys = [item_key(instr, it) for instr, r in zip(instrs, refs) for it in r]
     items = {item_key(instr, it): (instr, it) for instr, r in zip(instrs, refs) for it in r}
     todo = [k for k in items if cache is None or k not in cache]
-    if todo:
+    if todo or lockstep.active():  # the uniform schedule encodes (filler chunks) even with every pair cached
         toks = [composer.item_tokens(*items[k]) for k in todo]
         fresh = composer.encode_ids([t[0] for t in toks], [t[1] for t in toks])
     else:
