@@ -153,6 +153,39 @@ def test_full_student_teacher_is_a_frozen_copy_of_the_base(project):
     assert (meta["teacher"], meta["student"], meta["parallel"]) == ("base", "full", "ddp")
 
 
+def test_a_bf16_teacher_copy_halves_its_weights_and_stays_close(project):
+    """train.teacher_dtype=bfloat16: the frozen copy is held in bf16 (half the bytes) and a LOPD
+    step trains against it; its logits stay within bf16 rounding of the fp32 copy's. `auto` on
+    this CPU (no fast bf16) keeps the model's dtype."""
+    from lopd_cli.train.loop import build_trainer
+
+    sets = SETS + ["model.student=full"]
+    auto = build_trainer(project, project.load_recipe("toolcall", sets), project.runs_dir / "t-auto", show_progress=False)
+    half = build_trainer(project, project.load_recipe("toolcall", sets + ["train.teacher_dtype=bfloat16"]),
+                         project.runs_dir / "t-bf16", show_progress=False)
+    assert {p.dtype for p in auto.teacher.parameters()} == {torch.float32}
+    assert {p.dtype for p in half.teacher.parameters()} == {torch.bfloat16}
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    assert size(half.teacher) * 2 == size(auto.teacher)
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    with torch.no_grad():
+        a, b = auto.teacher(input_ids=ids).logits, half.teacher(input_ids=ids).logits.float()
+    assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.1, rtol=0.05)
+    from lopd_cli.train.loop import train_step
+
+    row = train_step(half)
+    assert row["kl"] > 0 and row["grad_norm_student"] > 0 and not row.get("skipped_nonfinite")
+
+
+def test_adamw_is_fused_only_on_cuda():
+    from lopd_cli.train.optim import adamw
+
+    opt = adamw([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+    assert opt.defaults["fused"] is None  # a CPU parameter: the default multi-tensor path
+    if torch.cuda.is_available():
+        assert adamw([torch.nn.Parameter(torch.zeros(3, device="cuda"))], lr=1e-3).defaults["fused"] is True
+
+
 def test_a_live_teacher_reads_the_students_current_weights(project):
     """train.teacher=live (LoRA): the teacher pass runs the student adapter, so changing the
     adapter changes the teacher's targets; with the default teacher (adapters off) it does not."""
