@@ -1,6 +1,8 @@
 """docs/scale.md's table: the memory plan (lopd_cli/train/memory_plan.py) per GPU for Qwen3-4B and
-Qwen3-8B, LoRA and full students, on 1×H200 and on 8×H100-80GB with FSDP, at the paper-like step
-of benchmarks/gpu/lopd_step_at_scale.py (its `paper` preset). Computed, not measured.
+Qwen3-8B, LoRA and full students, on 1×H200 and on 8×H100-80GB with FSDP (per-layer gathering, and
+gather-once beside it), at the paper-like step of benchmarks/gpu/lopd_step_at_scale.py (its `paper`
+preset), with what lopd does on a CUDA device: a bf16 teacher copy (`train.teacher_dtype: auto`)
+and a fused AdamW. Computed, not measured.
 
     python benchmarks/memory_plan_table.py [--no-checkpointing] [--json out.json]
 """
@@ -32,9 +34,11 @@ def rows(checkpointing: bool) -> list[dict]:
             recipe = scale.recipe_for(w, student, checkpointing)
             for gpu, (world, mem) in GPUS.items():
                 t = scale.train_shape(recipe, "bf16", "cuda")
-                t = replace(t, world_size=world, sharding="fsdp" if world > 1 else "none", device_bytes=int(mem))
+                t = replace(t, world_size=world, sharding="fsdp" if world > 1 else "none", device_bytes=int(mem),
+                            teacher_bytes=2, fused_adamw=True)
                 # each rank runs its share of the rollouts: the step shape per device is the same
                 p = plan(scale.model_shape(shape), step, t)
+                once = plan(scale.model_shape(shape), step, replace(t, fsdp_gather="step"))
                 train_gib = p.total_bytes / GIB
                 out.append({"model": shape, "student": student, "gpus": gpu, "params": p.parameters / GIB,
                             "grads": p.gradients / GIB, "optimiser": p.optimiser / GIB,
@@ -42,20 +46,23 @@ def rows(checkpointing: bool) -> list[dict]:
                             "logits": p.logits / GIB, "per_token_mib": p.per_token["student"] / 2**20,
                             "per_token_ckpt_mib": p.per_token.get("checkpointed", 0) / 2**20,
                             "train_gib": train_gib, "device_gib": mem / GIB, "fsdp": world > 1,
+                            "rollout_gib": p.rollout_bytes / GIB, "gather_once_gib": once.total_bytes / GIB,
                             "vllm_max": max(0.0, 1 - train_gib / (mem / GIB))})
     return out
 
 
 def markdown(rs: list[dict]) -> str:
     lines = ["| model | student | GPUs | parameters | gradients | optimiser | teacher copy | activations "
-             "(peak phase) | logits | training total | GPU | vLLM's share left (max gpu_memory_utilization) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(peak phase) | logits | training total | rollout phase | gather-once total | GPU | "
+             "vLLM's share left (max gpu_memory_utilization) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         room = ("does not fit" if r["vllm_max"] <= 0 else "none (fsdp refuses vLLM)" if r["fsdp"]
                 else f"{r['vllm_max']:.2f}")
+        once = f"{r['gather_once_gib']:.1f}" if r["fsdp"] else "–"
         lines.append(f"| {r['model']} | {r['student']} | {r['gpus']} | {r['params']:.1f} | {r['grads']:.1f} | "
                      f"{r['optimiser']:.1f} | {r['teacher_copy']:.1f} | {r['activations']:.1f} | {r['logits']:.1f} | "
-                     f"**{r['train_gib']:.1f}** | {r['device_gib']:.0f} | "
+                     f"**{r['train_gib']:.1f}** | {r['rollout_gib']:.1f} | {once} | {r['device_gib']:.0f} | "
                      f"{room} |")
     return "\n".join(lines)
 

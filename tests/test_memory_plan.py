@@ -121,22 +121,46 @@ QWEN3_8B = mp.ModelShape(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=
                          vocab=151936, tied=False)
 
 
-def test_sharding_as_train_sharding_does_it():
-    """train/sharding.py gathers every unit for the whole step: AdamW's states are 1/8, the weights
-    and the teacher copy whole beside their shards, the gradients whole until reduced."""
+def test_gather_once_sharding_as_train_sharding_does_it():
+    """`train.fsdp_gather: step` gathers every unit for the whole step: AdamW's states are 1/8, the
+    weights and the teacher copy whole beside their shards, the gradients whole until reduced."""
     one = mp.plan(QWEN3_8B, _paper_step(), mp.TrainShape(student="full", teacher_copy=True))
     eight = mp.plan(QWEN3_8B, _paper_step(), mp.TrainShape(student="full", teacher_copy=True, world_size=8,
-                                                            sharding="fsdp"))
+                                                            sharding="fsdp", fsdp_gather="step"))
     assert eight.optimiser == pytest.approx(one.optimiser / 8, rel=1e-6)
     for part in ("parameters", "teacher_copy"):
         assert getattr(eight, part) == pytest.approx(getattr(one, part) * 9 / 8, rel=1e-6)
     assert eight.gradients == one.gradients and eight.activations == one.activations
     # fp32 master weights, gradients and two AdamW states: 16 bytes per parameter of the backbone
     assert one.parameters + one.gradients + one.optimiser >= 16 * QWEN3_8B.params()
-    # the teacher copy is loaded in model.dtype (train/loop.py load_teacher_copy), not the compute dtype
+    # the teacher copy is loaded in train.teacher_dtype (model.dtype unless set), not the compute dtype
     assert one.teacher_copy == 4 * QWEN3_8B.params()
     assert mp.plan(QWEN3_8B, _paper_step(), mp.TrainShape(student="full", teacher_copy=True,
                                                           master_bytes=2)).teacher_copy == 2 * QWEN3_8B.params()
+    assert mp.plan(QWEN3_8B, _paper_step(), mp.TrainShape(student="full", teacher_copy=True,
+                                                          teacher_bytes=2)).teacher_copy == 2 * QWEN3_8B.params()
+
+
+def test_per_layer_sharding_holds_shards_the_root_and_two_layers():
+    """`train.fsdp_gather: layer` (the default): weights, gradients and AdamW's states 1/world, the
+    root unit and two decoder layers whole beside them; the states fall as the world grows, and
+    the rollout phase adds the student gathered whole."""
+    m = QWEN3_8B
+    root = m.vocab * m.hidden * (1 if m.tied else 2) + m.hidden
+    plans = {w: mp.plan(m, _paper_step(), mp.TrainShape(student="full", teacher_copy=True, world_size=w,
+                                                         sharding="fsdp" if w > 1 else "none"))
+             for w in (1, 2, 4, 8)}
+    one, eight = plans[1], plans[8]
+    no_phi = mp.plan(m, _paper_step(), mp.TrainShape(student="full", teacher_copy=True, world_size=8, sharding="fsdp",
+                                                     trains_composer=False))
+    assert no_phi.gradients == pytest.approx(4 * (m.params() / 8 + root + 2 * m.layer_params()), rel=1e-6)
+    assert eight.teacher_copy == pytest.approx(4 * (m.params() / 8 + root + 2 * m.layer_params()), rel=1e-6)
+    assert eight.optimiser == pytest.approx(one.optimiser / 8, rel=1e-6)
+    states = [plans[w].states for w in (1, 2, 4, 8)]
+    assert states == sorted(states, reverse=True) and states[-1] < states[0] / 3
+    assert eight.activations == one.activations  # each rank runs its own rows
+    assert eight.rollout_weights == pytest.approx(one.parameters - eight.parameters, rel=0.01)
+    assert one.rollout_weights == 0
 
 
 def test_checkpointing_lora_and_precision_move_the_parts_the_right_way():

@@ -10,8 +10,9 @@ Parts (each per device, during the step; `sharding: fsdp` below):
                    composer: ψ's LoRA and χ)
     optimiser      AdamW: two fp32 states per trainable parameter
     teacher copy   a full student's frozen copy of the backbone (train.teacher base|init;
-                   train/loop.py load_teacher_copy), in model.dtype; none for a LoRA student (the
-                   teacher is the backbone with its adapters off) or a live teacher
+                   train/loop.py load_teacher_copy), in `train.teacher_dtype` (bf16 where the device
+                   has fast bf16, by default); none for a LoRA student (the teacher is the backbone
+                   with its adapters off) or a live teacher
     activations    what autograd keeps for the backward of the largest pass (below)
     logits         `train.logit_chunk` rows of logits over the vocabulary and their transients
                    (train/losses.py never holds more than one chunk)
@@ -54,11 +55,16 @@ token per layer), once per pass the boolean mask, and for a shared prefix its on
 values (models/activation_checkpointing.py); the backward recomputes one layer at a time, so one
 layer of the largest pass (its activations, mask bias and weight casts) comes on top.
 
-Sharding (`train.parallel: fsdp`, train/sharding.py) gathers every FSDP unit once at the start
-of a step and keeps it whole until the gradients are reduce-scattered: during the step each
-device holds the whole weights (the student's and the teacher copy's) beside its 1/world
-shards of them, and the whole local gradients of what trains; only AdamW's states (and its step's
-transient) are 1/world. Activations are per device (each rank runs its own rows).
+Sharding (`train.parallel: fsdp`, train/sharding.py). Per-layer gathering (`train.fsdp_gather:
+layer`, the default): each device holds 1/world of every weight, gradient and AdamW state, plus
+the root unit whole (embeddings, final norm, LM head, and its gradient until the end of the
+update) and two decoder layers whole at a time (the one running and the one FSDP2 prefetches;
+for a full student their gradients too, until reduce-scattered), for the student and for a
+teacher copy alike. χ stays replicated. The rollout phase gathers the student whole
+(`rollout_weights`: what it adds; no gradient or activation is live then). Gather-once
+(`train.fsdp_gather: step`) keeps every unit whole for the step beside its shard, and the whole
+local gradients of what trains; only AdamW's states (and its step's transient) are 1/world.
+Activations are per device (each rank runs its own rows).
 
 Measured against this on a CPU (fp32): benchmarks/memory_plan_check.py. What it does not count:
 the CUDA context (~0.5–1 GiB per process, outside torch's allocator), allocator fragmentation,
@@ -173,6 +179,9 @@ class TrainShape:
     device: Literal["cuda", "cpu"] = "cuda"
     vllm_gpu_memory_utilization: float = 0.0  # 0: vLLM does not share this device
     device_bytes: int | None = None
+    fsdp_gather: Literal["layer", "step"] = "layer"  # train.fsdp_gather
+    teacher_bytes: int | None = None  # the teacher copy's dtype (train.teacher_dtype); None: master_bytes
+    fused_adamw: bool = False  # CUDA (train/optim.py adamw): no foreach temporaries at the step
     encode_batch_size: int = 8  # items per encoder call (Composer.encode_batch_size)
 
 
@@ -186,6 +195,7 @@ class MemoryPlan:
     logits: int
     vllm: int
     optimiser_step: int  # AdamW's transient at its step (when no activation is held)
+    rollout_weights: int = 0  # per-layer FSDP: what gathering the student whole for the rollouts adds
     per_token: dict = field(default_factory=dict)  # activation bytes per token, all layers, by pass
     phases: dict = field(default_factory=dict)  # activation bytes of each phase
     notes: list = field(default_factory=list)
@@ -198,6 +208,12 @@ class MemoryPlan:
     def total_bytes(self) -> int:
         """The step's peak: states + the larger of (activations + logits) and the optimiser step."""
         return self.states + max(self.activations + self.logits, self.optimiser_step) + self.vllm
+
+    @property
+    def rollout_bytes(self) -> int:
+        """The rollout phase's states: the step's states, the student gathered whole under per-layer
+        FSDP (no activation is live; the hf backend's KV cache is not counted)."""
+        return self.states + self.rollout_weights + self.vllm
 
     def step_growth(self, first: bool) -> int:
         """What a step adds to the loaded model (parameters, and the optimiser states after the
@@ -213,6 +229,7 @@ class MemoryPlan:
                 "optimiser_gib": g(self.optimiser), "teacher_copy_gib": g(self.teacher_copy),
                 "activations_gib": g(self.activations), "logits_gib": g(self.logits), "vllm_gib": g(self.vllm),
                 "optimiser_step_gib": g(self.optimiser_step), "total_gib": g(self.total_bytes),
+                "rollout_weights_gib": g(self.rollout_weights), "rollout_total_gib": g(self.rollout_bytes),
                 "first_step_growth_gib": g(self.step_growth(first=True)),
                 "later_step_growth_gib": g(self.step_growth(first=False)),
                 "per_token_kib": {k: round(v / 1024, 1) for k, v in self.per_token.items()},
@@ -340,7 +357,8 @@ def plan(m: ModelShape, s: StepShape, t: TrainShape) -> MemoryPlan:
     trainable_composer = (lora_e + chi) if t.trains_composer else 0
     grads = trainable_master + trainable_composer * 4
     optimiser = t.optimiser_states * 4 * (trainable_student + trainable_composer)
-    teacher = backbone * t.master_bytes if (full and t.teacher_copy) else 0
+    teacher_bytes = t.teacher_bytes or t.master_bytes
+    teacher = backbone * teacher_bytes if (full and t.teacher_copy) else 0
     notes = []
 
     # The passes. A live full-student teacher (no copy) reads weights that train: it keeps what a
@@ -392,22 +410,44 @@ def plan(m: ModelShape, s: StepShape, t: TrainShape) -> MemoryPlan:
         logits += m.vocab * m.hidden * 2
     # AdamW's step: on CUDA the foreach form holds one fp32 temporary per trainable parameter (the
     # square roots of the second moments); on a CPU the per-tensor form two of the largest tensor
-    if t.device == "cuda":
+    if t.device == "cuda" and t.fused_adamw:
+        optimiser_step = 0  # one kernel per parameter group, no whole-model temporaries
+    elif t.device == "cuda":
         optimiser_step = 4 * (trainable_student + trainable_composer)
     else:
         biggest = max(m.vocab * m.hidden, m.hidden * m.intermediate) if full else \
             max(t.composer_ff_mult * m.hidden * m.hidden, m.hidden * m.q)
         optimiser_step = 2 * 4 * biggest
-    if shard > 1:
+    rollout_weights = 0
+    if shard > 1 and t.fsdp_gather == "step":
         # train/sharding.py `gathered`: every unit whole for the step, beside its shard; the local
         # gradients whole until the reduce-scatter; AdamW's states and step on the shards
         params, teacher = (x + -(-x // shard) for x in (params, teacher))
         optimiser, optimiser_step = (-(-x // shard) for x in (optimiser, optimiser_step))
-        notes.append(f"FSDP over {shard}: AdamW's states sharded; during the step the weights (and the teacher "
-                     "copy) are gathered whole and the gradients are whole until reduced; activations per device")
+        notes.append(f"FSDP over {shard}, gather-once: AdamW's states sharded; during the step the weights (and the "
+                     "teacher copy) are gathered whole and the gradients are whole until reduced; activations per device")
+    elif shard > 1:
+        # train/sharding.py `per_layer`: shards of everything, the root whole, two layers whole at a time
+        root = m.vocab * m.hidden * (1 if m.tied else 2) + m.hidden
+        layer = m.layer_params() + (lora_s + lora_e * (2 if t.anchor_copy else 1)) // m.layers  # with its adapters
+        adapters = (lora_s + lora_e + (lora_e if t.anchor_copy else 0)) * 4
+        chi_all = chi * (2 if t.anchor_copy else 1) * 4
+        params = -(-(backbone * t.master_bytes + adapters) // shard) + chi_all + root * t.master_bytes \
+            + 2 * layer * t.master_bytes
+        if teacher:
+            teacher = -(-teacher // shard) + (root + 2 * m.layer_params()) * teacher_bytes
+        if full:
+            grads = -(-backbone * t.master_bytes // shard) + (root + 2 * m.layer_params()) * t.master_bytes
+        else:
+            grads = -(-lora_s * 4 // shard) + 2 * (lora_s // m.layers) * 4
+        grads += (-(-lora_e * 4 // shard) + chi * 4) if t.trains_composer else 0
+        optimiser, optimiser_step = (-(-x // shard) for x in (optimiser, optimiser_step))
+        rollout_weights = backbone * t.master_bytes + adapters - (params - chi_all)
+        notes.append(f"FSDP over {shard}, per layer: weights, gradients and AdamW's states sharded; the root unit and "
+                     "two decoder layers whole at a time; the rollout phase gathers the student whole")
     vllm = int(t.vllm_gpu_memory_utilization * t.device_bytes) if t.device_bytes else 0
     return MemoryPlan(parameters=int(params), gradients=int(grads), optimiser=int(optimiser),
                       teacher_copy=int(teacher), activations=int(activations), logits=int(logits), vllm=vllm,
-                      optimiser_step=int(optimiser_step), per_token=per_token,
+                      optimiser_step=int(optimiser_step), rollout_weights=int(max(0, rollout_weights)), per_token=per_token,
                       phases={k: int(v) for k, v in phases.items()}, notes=notes)
 
