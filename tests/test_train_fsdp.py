@@ -269,24 +269,38 @@ def test_two_fsdp_processes_match_one_process_in_sft(project, student):
 
 
 @pytest.mark.slow
+def test_sdpo_under_per_layer_fsdp_matches_one_process(project):
+    """SDPO distils only the rollouts with a teacher context (a successful sibling or feedback),
+    so the ranks distil different numbers of rows: the schedule pads them, and 2 sharded
+    processes give what 1 process gives (the update's token count is summed over ranks too)."""
+    from lopd_cli.train.loop import train
+
+    sets = ["train.algo=sdpo", "train.steps=2", "train.sdpo.group_size=2", "train.micro_batch=1", "train.teacher=base"]
+    train(project, project.load_recipe("toolcall", SETS + sets), project.runs_dir / "sdpo-one")
+    _check(_train_cmd(project, "sdpo-fsdp", sets + FSDP, nproc=2), timeout=300)
+    one, two = project.runs_dir / "sdpo-one", project.runs_dir / "sdpo-fsdp"
+    m2 = read_metrics(two)
+    assert sum(r["distilled_rollouts"] for r in m2) > 0 and any(r["loss"] > 0 for r in m2)
+    assert _max_metric_diff(read_metrics(one), m2) <= TOL
+    assert _max_weight_diff(one / "checkpoints" / "step_2", two / "checkpoints" / "step_2") <= TOL
+
+
+@pytest.mark.slow
 def test_ranks_with_different_steps_keep_the_uniform_schedule(project):
     """One composer row in the whole batch (so one rank runs a composer pass and the other none),
     micro-batches of 1 (so the ranks run 1 and 2 plain passes), the contrastive term and the
     privilege gate on (extra teacher passes), latents cached between passes: per-layer FSDP
-    finishes (without the schedule this run deadlocks in its first step) and gives what data
-    parallel gives, and so does gather-once (`train.fsdp_gather: step`)."""
+    finishes (without the schedule this run deadlocks in its first step) and gives what
+    gather-once (`train.fsdp_gather: step`, whose passes run no collective) gives."""
     sets = ["train.steps=2", "train.micro_batch=1", "train.lopd.composer_batch=1", "train.lopd.contrastive_weight=0.1",
-            "train.distill.privilege_gate=true"]
-    _check(_train_cmd(project, "uneven-ddp", sets, nproc=2), timeout=300)
-    _check(_train_cmd(project, "uneven-layer", sets + FSDP, nproc=2), timeout=300)
-    _check(_train_cmd(project, "uneven-step", sets + FSDP + ["train.fsdp_gather=step"], nproc=2), timeout=300)
-    ddp = project.runs_dir / "uneven-ddp"
-    m = read_metrics(ddp)
+            "train.distill.privilege_gate=true", *FSDP]
+    _check(_train_cmd(project, "uneven-step", sets + ["train.fsdp_gather=step"], nproc=2), timeout=300)
+    _check(_train_cmd(project, "uneven-layer", sets, nproc=2), timeout=300)
+    once, layer = project.runs_dir / "uneven-step", project.runs_dir / "uneven-layer"
+    m = read_metrics(once)
     assert [r["composer_rows"] for r in m] == [1, 1] and all(r["grad_norm_composer"] > 0 for r in m)
-    for name in ("uneven-layer", "uneven-step"):
-        run = project.runs_dir / name
-        assert _max_metric_diff(m, read_metrics(run)) <= TOL
-        assert _max_weight_diff(ddp / "checkpoints" / "step_2", run / "checkpoints" / "step_2") <= TOL
+    assert _max_metric_diff(m, read_metrics(layer)) <= TOL
+    assert _max_weight_diff(once / "checkpoints" / "step_2", layer / "checkpoints" / "step_2") <= TOL
 
 
 @pytest.mark.slow

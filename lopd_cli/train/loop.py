@@ -421,8 +421,8 @@ def update(tr: Trainer, episodes: list[Episode], group_ids: list[int],
         o = sdpo_update(sdpo_setup(tr), episodes, group_ids, totals)
         if dist.is_distributed():
             red = dist.all_reduce_sum({"loss": o.loss, "distilled": o.distilled, "with_solution": o.with_solution,
-                                       "with_feedback": o.with_feedback})
-            o.loss, o.distilled = red["loss"], int(red["distilled"])
+                                       "with_feedback": o.with_feedback, "n_tokens": o.n_tokens})
+            o.loss, o.distilled, o.n_tokens = red["loss"], int(red["distilled"]), int(red["n_tokens"])
             o.with_solution, o.with_feedback = int(red["with_solution"]), int(red["with_feedback"])
             o.finite = math.isfinite(o.loss)
         row.update(loss=o.loss, jsd=o.loss, distilled_rollouts=o.distilled, with_solution=o.with_solution,
