@@ -57,8 +57,7 @@ def markdown(rs: list[dict]) -> str:
              "vLLM's share left (max gpu_memory_utilization) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
-        room = ("does not fit" if r["vllm_max"] <= 0 else "none (fsdp refuses vLLM)" if r["fsdp"]
-                else f"{r['vllm_max']:.2f}")
+        room = "does not fit" if r["vllm_max"] <= 0 else f"{r['vllm_max']:.2f}"
         once = f"{r['gather_once_gib']:.1f}" if r["fsdp"] else "–"
         lines.append(f"| {r['model']} | {r['student']} | {r['gpus']} | {r['params']:.1f} | {r['grads']:.1f} | "
                      f"{r['optimiser']:.1f} | {r['teacher_copy']:.1f} | {r['activations']:.1f} | {r['logits']:.1f} | "

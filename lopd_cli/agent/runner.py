@@ -299,7 +299,7 @@ def run_episodes(
     ranks); sampling is seeded per chunk by the chunk's position in that global batch, so a
     rank whose share starts on a chunk boundary samples exactly what one process would.
     """
-    backend = backend or make_backend(rollout_cfg.backend, model, tokenizer)
+    backend = backend or make_backend(rollout_cfg.backend, model, tokenizer, rollout_cfg)
     stop_ids = stop_token_ids(tokenizer)
     temp = rollout_cfg.temperature if temperature is None else temperature
     render = _ObservationRenderer(tokenizer)

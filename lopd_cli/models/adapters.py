@@ -185,6 +185,20 @@ def save_adapter(model, name: str, out_dir: Path, state_dict: dict | None = None
     return out_dir
 
 
+def whole_adapter_state(model, name: str) -> dict[str, torch.Tensor]:
+    """One adapter's weights under the model's parameter names, each whole: a sharded one (FSDP2
+    DTensor) is gathered on every rank, one parameter at a time, so under FSDP every rank must
+    call this together. Only the adapter travels, never the backbone."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():
+        if adapter_of(n) == name:
+            weight = p.detach()
+            out[n] = weight.full_tensor() if isinstance(weight, DTensor) else weight
+    return out
+
+
 def base_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The backbone's own weights (a full student's; every adapter left out) under the names
     `from_pretrained` reads: without peft's `base_model.model.` prefix and without the

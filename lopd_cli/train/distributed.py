@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
@@ -80,6 +81,10 @@ def init_from_env() -> bool:
 
 
 def _shutdown() -> None:
+    # A colocated vLLM engine built its groups inside ours: it goes first.
+    vllm_backend = sys.modules.get("lopd_cli.rollout.vllm")
+    if vllm_backend is not None:
+        vllm_backend.shutdown_engines()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -506,8 +506,14 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     # Distributed: the same global task list on every rank, each rolling out its own share.
     dist.check_step_split(len(tasks), group_size(tr.recipe))
     lo, hi = dist.shard_range(len(tasks))
-    with sharding.gathered(tr.sharding, teacher=False):
+    # hf samples through the student's weights, gathered whole; a vLLM engine holds its own copy.
+    vllm = tr.recipe.rollout.backend == "vllm"
+    with sharding.gathered(None if vllm else tr.sharding, teacher=False):
         local = rollout_phase(tr, tasks[lo:hi], step, progress, index_offset=lo)
+    if vllm:
+        from lopd_cli.rollout.vllm import sleep_engines
+
+        sleep_engines()
     episodes = dist.gather_lists(local)
     t_roll = dist.all_reduce_max({"t": time.perf_counter() - t0})["t"]
     tr.state.rollouts_total += len(episodes)
@@ -687,8 +693,6 @@ def train(project: Project, recipe: Recipe, run_dir: Path, resume: bool = False,
     from lopd_cli.models.student import init_source, warm_start
 
     dist.init_from_env()
-    if recipe.train.parallel == "fsdp" and dist.is_distributed():
-        sharding.check_recipe(recipe)
     init = None if resume else init_source(project, recipe)  # its errors before the run folder exists
     step_dir = dist.on_main(lambda: prepare_run_dir(run_dir, recipe, resume))
     if step_dir is not None:

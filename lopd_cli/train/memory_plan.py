@@ -61,7 +61,8 @@ the root unit whole (embeddings, final norm, LM head, and its gradient until the
 update) and two decoder layers whole at a time (the one running and the one FSDP2 prefetches;
 for a full student their gradients too, until reduce-scattered), for the student and for a
 teacher copy alike. χ stays replicated. The rollout phase gathers the student whole
-(`rollout_weights`: what it adds; no gradient or activation is live then). Gather-once
+(`rollout_weights`: what it adds; no gradient or activation is live then) unless a colocated vLLM
+engine samples (its copy of the weights is inside vLLM's share). Gather-once
 (`train.fsdp_gather: step`) keeps every unit whole for the step beside its shard, and the whole
 local gradients of what trains; only AdamW's states (and its step's transient) are 1/world.
 Activations are per device (each rank runs its own rows).
@@ -442,9 +443,13 @@ def plan(m: ModelShape, s: StepShape, t: TrainShape) -> MemoryPlan:
             grads = -(-lora_s * 4 // shard) + 2 * (lora_s // m.layers) * 4
         grads += (-(-lora_e * 4 // shard) + chi * 4) if t.trains_composer else 0
         optimiser, optimiser_step = (-(-x // shard) for x in (optimiser, optimiser_step))
-        rollout_weights = backbone * t.master_bytes + adapters - (params - chi_all)
-        notes.append(f"FSDP over {shard}, per layer: weights, gradients and AdamW's states sharded; the root unit and "
-                     "two decoder layers whole at a time; the rollout phase gathers the student whole")
+        if t.vllm_gpu_memory_utilization > 0:  # a colocated engine holds its own copy, in vLLM's share
+            notes.append(f"FSDP over {shard}, per layer: weights, gradients and AdamW's states sharded; the root unit and "
+                         "two decoder layers whole at a time; rollouts in this rank's vLLM engine (its share)")
+        else:
+            rollout_weights = backbone * t.master_bytes + adapters - (params - chi_all)
+            notes.append(f"FSDP over {shard}, per layer: weights, gradients and AdamW's states sharded; the root unit and "
+                         "two decoder layers whole at a time; the rollout phase gathers the student whole")
     vllm = int(t.vllm_gpu_memory_utilization * t.device_bytes) if t.device_bytes else 0
     return MemoryPlan(parameters=int(params), gradients=int(grads), optimiser=int(optimiser),
                       teacher_copy=int(teacher), activations=int(activations), logits=int(logits), vllm=vllm,

@@ -78,13 +78,6 @@ def _rng_kept(device: torch.device):
     return torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else [])
 
 
-def check_recipe(recipe) -> None:
-    """What sharded training does not cover, refused before any model is loaded."""
-    if recipe.rollout.backend == "vllm":
-        raise LopdError("train.parallel=fsdp: rollout.backend vllm is not supported (it snapshots the student "
-                        "adapter from the trainer's weights, which are sharded); use rollout.backend hf")
-
-
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
     """The transformer blocks of a causal LM (`model.layers` in Llama-style models)."""
     from lopd_cli.compose.composer import decoder_of
