@@ -219,12 +219,14 @@ def decoder_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
         return decoder(**kw, attention_mask=attention_mask, use_cache=False).last_hidden_state
     # The prefix is read from the token ids (no latent lies in it), so when only the latents need
     # gradients no graph is built through it.
-    head = decoder(input_ids=input_ids[:1, :P], attention_mask=attention_mask[:1, :P], use_cache=True)
-    cache = head.cache if hasattr(head, "cache") else head.past_key_values
-    cache.batch_repeat_interleave(B)
-    rest = {"inputs_embeds": inputs_embeds[:, P:]} if inputs_embeds is not None else {"input_ids": input_ids[:, P:]}
-    tail = decoder(**rest, attention_mask=attention_mask, **{_cache_kwarg(type(decoder)): cache},
-                   use_cache=True).last_hidden_state
+    with ac.off_without_grad(decoder):
+        head = decoder(input_ids=input_ids[:1, :P], attention_mask=attention_mask[:1, :P], use_cache=True)
+        cache = getattr(head, "cache", None)  # transformers 5.19 has the field but fills past_key_values
+        cache = cache if cache is not None else head.past_key_values
+        cache.batch_repeat_interleave(B)
+        rest = {"inputs_embeds": inputs_embeds[:, P:]} if inputs_embeds is not None else {"input_ids": input_ids[:, P:]}
+        tail = decoder(**rest, attention_mask=attention_mask, **{_cache_kwarg(type(decoder)): cache},
+                       use_cache=True).last_hidden_state
     return torch.cat([head.last_hidden_state.expand(B, -1, -1), tail], dim=1)
 
 

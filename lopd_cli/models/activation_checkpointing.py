@@ -134,6 +134,23 @@ def _replay_layer_class():
 
 
 @contextlib.contextmanager
+def off_without_grad(decoder) -> Iterator[None]:
+    """Checkpointing off while no gradient is taken (nothing to recompute then): transformers 5.19's
+    checkpointed layers drop the cache in training mode even under no_grad."""
+    layers = [m for m in decoder.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if torch.is_grad_enabled() or not layers:
+        yield
+        return
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
 def _layers_keep_cache(layers) -> Iterator[None]:
     """transformers' layers drop a cache under checkpointing unless `_can_checkpoint_with_cache`."""
     saved = [layer.__dict__.get("_can_checkpoint_with_cache") for layer in layers]
