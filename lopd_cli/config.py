@@ -120,7 +120,8 @@ class EnvSection(Section):
 
 
 class RolloutSection(Section):
-    backend: Literal["hf", "vllm"] = Field("hf", description="Generation backend: hf (transformers) or vllm.")
+    backend: Literal["hf", "vllm", "vllm-server"] = Field(
+        "hf", description="Generation backend: hf (transformers), vllm (an engine in each process) or vllm-server.")
     temperature: float = Field(
         1.0, ge=0.0, description="Sampling temperature of training rollouts and `lopd rollout` (0: greedy).")
     top_p: float = Field(
@@ -136,6 +137,19 @@ class RolloutSection(Section):
         4096, ge=16, description="An episode stops when its context reaches this many tokens.")
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vllm backend: fraction of GPU memory vLLM may take.")
+    server_url: str = Field(
+        "", description="vllm-server backend: the OpenAI-compatible vLLM server's URL (http://HOST:PORT/v1).")
+    server_adapter_dir: str = Field(
+        "", description="vllm-server backend: an absolute folder the server reads the adapters from (empty: a temp folder).")
+    server_timeout_s: float = Field(600.0, gt=0, description="vllm-server backend: seconds one request may take.")
+
+    @model_validator(mode="after")
+    def _server_settings(self) -> "RolloutSection":
+        if self.backend == "vllm-server" and not self.server_url:
+            raise ValueError("rollout.backend vllm-server needs rollout.server_url (the vLLM server's URL)")
+        if self.server_adapter_dir and not Path(self.server_adapter_dir).is_absolute():
+            raise ValueError("rollout.server_adapter_dir must be an absolute path (the server reads it)")
+        return self
 
 
 class BankSection(Section):

@@ -23,4 +23,11 @@ def make_backend(name: str, model, tokenizer, rollout=None) -> Backend:
             raise LopdError(f"rollout.backend: vllm is not available here ({e}); use backend: hf") from None
         return VLLMBackend(model, tokenizer,
                            gpu_memory_utilization=rollout.vllm_gpu_memory_utilization if rollout is not None else None)
-    raise LopdError(f"rollout.backend: unknown backend '{name}' (hf or vllm)")
+    if name == "vllm-server":
+        from lopd_cli.rollout.vllm_server import VLLMServerBackend
+
+        if rollout is None or not rollout.server_url:
+            raise LopdError("rollout.backend vllm-server needs rollout.server_url (the vLLM server's URL)")
+        return VLLMServerBackend(model, tokenizer, rollout.server_url, adapter_dir=rollout.server_adapter_dir,
+                                 timeout_s=rollout.server_timeout_s)
+    raise LopdError(f"rollout.backend: unknown backend '{name}' (hf, vllm or vllm-server)")

@@ -506,11 +506,11 @@ def train_step(tr: Trainer, progress: Callable[[int], None] | None = None) -> di
     # Distributed: the same global task list on every rank, each rolling out its own share.
     dist.check_step_split(len(tasks), group_size(tr.recipe))
     lo, hi = dist.shard_range(len(tasks))
-    # hf samples through the student's weights, gathered whole; a vLLM engine holds its own copy.
-    vllm = tr.recipe.rollout.backend == "vllm"
-    with sharding.gathered(None if vllm else tr.sharding, teacher=False):
+    # hf samples through the student's weights, gathered whole; a vLLM engine or server holds its own copy.
+    own_copy = tr.recipe.rollout.backend in ("vllm", "vllm-server")
+    with sharding.gathered(None if own_copy else tr.sharding, teacher=False):
         local = rollout_phase(tr, tasks[lo:hi], step, progress, index_offset=lo)
-    if vllm:
+    if tr.recipe.rollout.backend == "vllm":
         from lopd_cli.rollout.vllm import sleep_engines
 
         sleep_engines()
@@ -667,8 +667,10 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, resume: bool) -> Path | None:
         if not (run_dir / "recipe.yaml").is_file():
             raise LopdError(f"--resume: {run_dir} is not a run folder (no recipe.yaml)")
         saved = load_recipe(run_dir / "recipe.yaml", upgrade=True)  # a run an earlier lopd wrote resumes
-        mine = recipe.model_dump(exclude={"train": {"steps", "save_every", "eval_every"}})
-        theirs = saved.model_dump(exclude={"train": {"steps", "save_every", "eval_every"}})
+        # where rollouts are served may move between runs (a restarted server); the experiment may not
+        free = {"train": {"steps", "save_every", "eval_every"},
+                "rollout": {"server_url", "server_adapter_dir", "server_timeout_s"}}
+        mine, theirs = recipe.model_dump(exclude=free), saved.model_dump(exclude=free)
         if mine != theirs:
             diff = [k for k in mine if mine[k] != theirs.get(k)]
             raise LopdError(f"--resume: the recipe differs from {run_dir / 'recipe.yaml'} in section(s) {', '.join(diff)}")

@@ -1,0 +1,283 @@
+"""The vllm-server backend: student rollouts through an OpenAI-compatible vLLM server.
+
+The server is one a team already runs (on other GPUs, or beside training), started with runtime
+LoRA loading on:
+
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve BACKBONE --enable-lora --max-lora-rank R \\
+        --logprobs-mode processed_logprobs
+
+and named by `rollout.server_url`. Nothing of vLLM is imported here: the training process only
+speaks HTTP (the standard library's urllib), so it needs no vLLM install of its own.
+
+- Sampling: one `POST /v1/completions` per prompt (sent together, the server batches them) with
+  the prompt as token ids, `return_token_ids` and `logprobs: 0`. The runner renders every turn
+  itself (lopd's chat rendering, tool calls in lopd's format), so the ids that come back are
+  exactly the ids trained on; a chat request would have the server render the messages again and
+  re-tokenize the text, and the ids could differ from the sampled ones. Records are the hf and
+  vllm backends': the stop id included when one was sampled, only `stop_ids` stop (`ignore_eos`),
+  per token the log-prob at the sampling temperature (the server's `--logprobs-mode
+  processed_logprobs`; greedy: temperature 1), each prompt seeded by `params.seed + row`. Every
+  sampling setting is sent, so the model's generation_config.json defaults never apply.
+- Refresh (a backend refreshes when it is made; the runner makes one per `run_episodes` call, so
+  every training step samples from the student as it is now): a LoRA student's adapter is saved
+  (peft format) under `rollout.server_adapter_dir`, loaded with `POST /v1/load_lora_adapter`
+  under a new name, and the previously loaded one is unloaded and its folder removed. A new name
+  is a new LoRA id in vLLM, so no prefix-cache block computed with older weights is reused. Under
+  `train.parallel: fsdp` every rank gathers the adapter (`whole_adapter_state`, a collective),
+  rank 0 writes and loads it, and the name (or rank 0's error) is broadcast to every rank.
+- A model without adapters (a merged export, a base policy) is served as the server's base
+  model, which must be the model's own folder (compared by path, or by folder name when the
+  server's path is not on this machine).
+- A full fine-tuned student (`model.student: full`) is refused: vLLM's server has no endpoint
+  that takes new base weights; use `rollout.backend: vllm` (an engine per training process).
+
+Errors are one line (`LopdError`) naming the URL: a server that does not answer, an endpoint
+that refuses (runtime LoRA loading off, an adapter rank above `--max-lora-rank`), a prompt
+longer than the server's `--max-model-len`. They happen before any update of the step, so the
+run's checkpoints and metrics stay as they were and `--resume` continues once the server is up.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from lopd_cli.errors import LopdError
+from lopd_cli.rollout.base import Generation, SamplingParams
+
+START_HINT = ("start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve BACKBONE --enable-lora "
+              "--max-lora-rank R --logprobs-mode processed_logprobs")
+MAX_CONCURRENT_REQUESTS = 64
+
+# The adapter this process last loaded into each server (base URL -> (name, folder)): unloaded
+# when the next one is loaded, and when the process ends.
+_LOADED: dict[str, tuple[str, Path]] = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def api_base(url: str) -> str:
+    """`rollout.server_url` as the OpenAI API's base: http://HOST:PORT/v1 (given with or without /v1)."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise LopdError(f"rollout.server_url: '{url}' is not an http(s) URL (e.g. http://127.0.0.1:8000/v1)")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _error_message(body: bytes) -> str:
+    """The server's own error text from a JSON error body (vLLM: {"error": {"message": ...}}), on one line."""
+    try:
+        data = json.loads(body)
+        err = data.get("error", data) if isinstance(data, dict) else data
+        msg = err.get("message") or err.get("detail") or err if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        msg = body.decode(errors="replace")
+    return " ".join(str(msg).split())[:300] or "no message"
+
+
+def request(base: str, path: str, body: dict | None = None, timeout_s: float = 600.0):
+    """GET (body None) or POST JSON to `base + path`; the decoded JSON answer (or its text).
+    Raises a one-line LopdError when the server does not answer or refuses."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        msg = _error_message(e.read())
+        if e.code == 404 and "lora_adapter" in path:
+            msg += " (runtime LoRA loading is off: start the server with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
+        raise LopdError(f"rollout.server_url {base}: {path} refused (HTTP {e.code}): {msg}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise LopdError(f"rollout.server_url {base}: no server answers ({reason}); {START_HINT}") from None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def base_model(base: str, timeout_s: float = 30.0) -> dict:
+    """The server's base model entry of GET /v1/models (id, root); adapters have a parent."""
+    models = request(base, "/models", timeout_s=timeout_s)
+    bases = [m for m in (models.get("data", []) if isinstance(models, dict) else []) if not m.get("parent")]
+    if not bases:
+        raise LopdError(f"rollout.server_url {base}: the server lists no base model")
+    return bases[0]
+
+
+def _names(local_dir: str) -> set[str]:
+    """What a server elsewhere may call the local model: its folder's name, and for a hub cache
+    snapshot (models--ORG--NAME/snapshots/HASH) the hub id and its name."""
+    p = Path(local_dir)
+    names = {local_dir, p.name}
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        repo = p.parent.parent.name[len("models--"):].replace("--", "/")
+        names |= {repo, repo.rsplit("/", 1)[-1]}
+    return names
+
+
+def same_model(served_root: str, local_dir: str) -> bool:
+    """Whether the server's model is the local one: the same folder, or, when the server's path
+    does not exist here (a server on another machine, a hub id), the same name."""
+    served = Path(served_root)
+    if served.exists():
+        return served.resolve() == Path(local_dir).resolve()
+    return served_root in _names(local_dir) or served.name in _names(local_dir)
+
+
+def _unload(base: str, name: str, folder: Path, timeout_s: float) -> None:
+    request(base, "/unload_lora_adapter", {"lora_name": name}, timeout_s=timeout_s)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _unload_at_exit() -> None:
+    with _LOADED_LOCK:
+        loaded = list(_LOADED.items())
+        _LOADED.clear()
+    for base, (name, folder) in loaded:
+        try:
+            _unload(base, name, folder, timeout_s=5)
+        except LopdError:
+            shutil.rmtree(folder, ignore_errors=True)  # the server is gone; its adapter with it
+
+
+atexit.register(_unload_at_exit)
+
+
+def load_adapter(base: str, adapter_dir: Path, name: str, timeout_s: float) -> None:
+    """Load the peft adapter in `adapter_dir` into the server under `name`, then unload the one
+    this process loaded before (and remove its folder)."""
+    request(base, "/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)}, timeout_s=timeout_s)
+    with _LOADED_LOCK:
+        previous = _LOADED.get(base)
+        _LOADED[base] = (name, adapter_dir)
+    if previous is not None and previous[0] != name:
+        _unload(base, *previous, timeout_s=timeout_s)
+
+
+def _distributed() -> bool:
+    import torch.distributed as tdist
+
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def _on_rank0_then_everywhere(fn):
+    """fn() on rank 0 only (every rank under fsdp runs this together); its result, or its one-line
+    error, on every rank, so that a refused adapter stops every rank instead of leaving the
+    others waiting in the next collective."""
+    if not _distributed():
+        return fn()
+    import torch.distributed as tdist
+
+    box: list = [None]
+    if tdist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except LopdError as e:
+            box[0] = ("error", str(e))
+    tdist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise LopdError(value)
+    return value
+
+
+class VLLMServerBackend:
+    """`Backend` over an OpenAI-compatible vLLM server: the server's base model, or the student's
+    LoRA adapter loaded into it at every refresh."""
+
+    def __init__(self, model, tokenizer, server_url: str, adapter_dir: str = "", timeout_s: float = 600.0):
+        from lopd_cli.models import adapters as ad
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.base = api_base(server_url)
+        self.adapter_root = adapter_dir
+        self.timeout_s = timeout_s
+        self.lora = ad.has_student_adapter(model)
+        if ad.is_wrapped(model) and not self.lora:
+            raise LopdError("rollout.backend vllm-server: a full fine-tuned student (model.student: full) cannot be "
+                            "pushed into a vLLM server; use rollout.backend vllm (an engine in each training process)")
+        served = _on_rank0_then_everywhere(lambda: base_model(self.base, timeout_s=min(30.0, timeout_s)))
+        local = getattr(model.config, "_name_or_path", "") or ""
+        if not same_model(str(served.get("root") or served["id"]), local):
+            raise LopdError(f"rollout.server_url {self.base}: the server serves {served.get('root') or served['id']}, "
+                            f"the policy's backbone is {local}; serve that model")
+        self.model_name = served["id"]
+        if self.lora:
+            self.refresh()
+
+    def refresh(self, adapter_dir: str | Path | None = None) -> None:
+        """Serve the student as it is now: the adapter in `adapter_dir` (a folder the server can
+        read), or a fresh snapshot of the in-memory student adapter, under a new name."""
+        from lopd_cli.models import adapters as ad
+
+        if not self.lora:
+            raise LopdError("this model has no student adapter to refresh (the server serves it as its base model)")
+        state = ad.whole_adapter_state(self.model, ad.STUDENT) if adapter_dir is None else None
+
+        def write_and_load() -> str:
+            name = f"lopd-student-{uuid.uuid4().hex[:12]}"
+            if adapter_dir is not None:
+                folder = Path(adapter_dir)
+            else:
+                root = self.adapter_root or None
+                if root is not None:
+                    Path(root).mkdir(parents=True, exist_ok=True)
+                folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+                ad.save_adapter(self.model, ad.STUDENT, folder, state_dict=state)
+            try:
+                load_adapter(self.base, folder.resolve(), name, self.timeout_s)
+            except LopdError:
+                if adapter_dir is None:
+                    shutil.rmtree(folder, ignore_errors=True)
+                raise
+            return name
+
+        self.model_name = _on_rank0_then_everywhere(write_and_load)
+
+    def request_body(self, prompt: list[int], params: SamplingParams, stop_ids: list[int], row: int) -> dict:
+        greedy = params.temperature <= 0
+        return {
+            "model": self.model_name, "prompt": list(prompt), "max_tokens": params.max_new_tokens, "n": 1,
+            "temperature": 0.0 if greedy else params.temperature, "top_p": 1.0 if greedy else params.top_p,
+            "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "seed": None if greedy else (params.seed + row) % (2**63),
+            "stop_token_ids": list(stop_ids), "ignore_eos": True,  # only stop_ids end a turn
+            # ids as "token_id:N" strings too: no detokenizing (a server may run --skip-tokenizer-init)
+            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+        }
+
+    def _one(self, body: dict, stops: set[int]) -> Generation:
+        answer = request(self.base, "/completions", body, timeout_s=self.timeout_s)
+        try:
+            choice = answer["choices"][0]
+            logprobs = choice.get("logprobs") or {}
+            ids = choice.get("token_ids")  # a server older than return_token_ids: the "token_id:N" strings
+            toks = [int(t) for t in ids] if ids is not None else [int(t.split(":", 1)[1]) for t in logprobs["tokens"]]
+            lps = [float(x) for x in logprobs.get("token_logprobs", [])]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise LopdError(f"rollout.server_url {self.base}: /completions answered without token ids and "
+                            f"log-probs (is it a vLLM server?): {str(answer)[:200]}") from None
+        if len(lps) != len(toks):
+            raise LopdError(f"rollout.server_url {self.base}: {len(lps)} log-probs for {len(toks)} tokens")
+        return Generation(toks, lps, bool(toks) and toks[-1] in stops)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int]) -> list[Generation]:
+        if not prompts:
+            return []
+        stops = set(stop_ids)
+        bodies = [self.request_body(p, params, stop_ids, row) for row, p in enumerate(prompts)]
+        workers = min(len(bodies), MAX_CONCURRENT_REQUESTS, max(1, os.cpu_count() or 1) * 16)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(lambda b: self._one(b, stops), bodies))
