@@ -74,4 +74,5 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 test-vllm: setup-vllm
 	# the serving test's client; added to setup-vllm later, so older .venv-vllm folders get it here
 	$(VLLM_BIN)/python -c 'import openai' 2>/dev/null || $(VLLM_PIP) openai
-	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -s tests/test_rollout_vllm.py tests/test_serve_vllm.py tests/test_vllm_fsdp.py
+	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -s tests/test_rollout_vllm.py tests/test_serve_vllm.py tests/test_vllm_fsdp.py tests/test_vllm_server_rollouts.py tests/test_gpu_script.py::test_tiny_on_cpu_times_the_vllm_paths \
+		tests/test_activation_checkpointing.py::test_shared_prefix_under_checkpointing_matches_one_full_pass

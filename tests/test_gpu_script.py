@@ -76,3 +76,26 @@ def test_a_random_qwen3_backbone_from_its_config_with_the_tiny_tokenizer(tmp_pat
     res = scale.run_config("qwen3-4b", "lora", "cpu", scale.PRESETS["tiny"], steps=1, checkpointing=True)
     assert res["params"] > 151936 * 32 and res["generate"]["episodes"] == 4
     assert math.isfinite(res["steps"][0]["kl"]) and res["steps"][0]["grad_norm_student"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tiny_on_cpu_times_the_vllm_paths(tmp_path):
+    """The colocated engine and the server path of the GPU script, at tiny shape on the CPU
+    (`make test-vllm`): each starts, refreshes and rolls the batch out; a full student is refused
+    by the server path as by the product."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "scale.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "LOPD_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--student", "lora",
+                           "full", "--steps", "1", "--rollout", "vllm", "vllm-server", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lora, full = json.loads(out.read_text())["results"]
+    for g in (lora["generate_vllm"], lora["generate_vllm-server"], full["generate_vllm"]):
+        assert "error" not in g and "skipped" not in g, g
+        assert g["episodes"] == 4 and g["new_tokens"] > 0 and g["tokens_per_s"] > 0
+        assert g["sec_start"] > 0 and g["sec_refresh"] > 0
+    assert "refuses" in full["generate_vllm-server"]["skipped"]
+    assert "generate" not in lora  # no hf generate phase asked for
+    assert "generate (vllm-server): start" in proc.stdout

@@ -13,9 +13,21 @@ What it runs, per configuration (model shape × student kind), each in a fresh p
               its rollout phase replaced by prebuilt multi-turn episodes of the stated shape
               (random weights cannot play the orders world for several turns)
 
+    vllm      (`--rollout vllm`, after the steps) the same rollout batch through the product's
+              vLLM backend (rollout/vllm.py): an engine beside the trainer on `--vllm-share` of the
+              GPU, the student refreshed into it (LoRA: its adapter; full: its weights, in process)
+    server    (`--rollout vllm-server`) the same batch through rollout/vllm_server.py against a
+              `vllm serve` this script starts on the same GPU (`--vllm-share` of it), the LoRA
+              adapter hot-loaded (a full student is refused there, as in the product)
+
 and prints seconds per phase (encode, teacher, composer, student, update), update tokens per
 second, the peak device memory (torch.cuda.max_memory_allocated; on a CPU the peak RSS) and the
-memory plan's prediction for the same step (lopd_cli/train/memory_plan.py) beside it.
+memory plan's prediction for the same step (lopd_cli/train/memory_plan.py) beside it; for each
+vLLM path the engine's or server's start, the refresh, the generation's seconds and tokens/s,
+and the device memory in use while it is up (nvidia-smi, every process). vLLM loads Qwen3 shapes
+with `load_format: dummy` (random weights of its own, from a config-only folder) and runs
+eagerly (no CUDA-graph capture: start-up time is device time); the server runs with
+`--skip-tokenizer-init` (random weights sample ids the tiny tokenizer does not have).
 
 The episodes (`--preset paper`): 32 rollouts = 32 distinct tasks; a prompt of ~1,024 tokens (the
 orders world's system prompt and tool schemas, ~690 tokens, padded with filler to 1,024; all but
@@ -33,6 +45,8 @@ ids are a subset of the 151,936-row embedding, so every cost that depends on the
 
     python benchmarks/gpu/lopd_step_at_scale.py                       # the GPU run (README.md)
     python benchmarks/gpu/lopd_step_at_scale.py --shape tiny --device cpu --preset tiny   # seconds
+    .venv-vllm/bin/python benchmarks/gpu/lopd_step_at_scale.py --shape tiny --device cpu \
+        --rollout hf vllm vllm-server                                    # the vLLM paths on a CPU
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import random
@@ -429,7 +444,7 @@ def _trim() -> None:
 
 
 def run_config(shape: str, student: str, device: str, w: Workload, steps: int, checkpointing: bool,
-               composer_every: int = 1) -> dict:
+               composer_every: int = 1, rollouts: tuple[str, ...] = ("hf",), vllm_share: float = 0.3) -> dict:
     """Build one configuration, generate, run `steps` LOPD steps; a JSON-ready dict."""
     import torch
 
@@ -454,7 +469,7 @@ def run_config(shape: str, student: str, device: str, w: Workload, steps: int, c
         out["params"] = sum(p.numel() for p in tr.model.parameters())
         out["trainable_student"] = sum(p.numel() for p in loop._student_params(tr.model))
         meter = Meter()
-        if w.generate_tokens:
+        if w.generate_tokens and "hf" in rollouts:
             meter.reset()
             t1 = time.perf_counter()
             eps = loop.rollout_phase(tr, tasks, 0)
@@ -494,8 +509,157 @@ def run_config(shape: str, student: str, device: str, w: Workload, steps: int, c
                                     + (0 if first else predicted.optimiser) + predicted.step_growth(first)) / 2**20
                 out["steps"].append(keep)
         meter.close()
+        for name in (r for r in rollouts if r != "hf"):
+            if importlib.util.find_spec("vllm") is None:
+                out[f"generate_{name}"] = {"skipped": "vLLM is not installed here"}
+                continue
+            _trim()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            try:
+                out[f"generate_{name}"] = VLLM_PATHS[name](tr, tasks, shape, device, vllm_share, Path(wd))
+            except ImportError as e:
+                out[f"generate_{name}"] = {"skipped": f"vLLM is not installed here ({e})"}
+            except Exception as e:  # noqa: BLE001 - one path failing must not lose the others' figures
+                out[f"generate_{name}"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     out["sec_total"] = time.perf_counter() - t0
     return out
+
+
+# ----------------------------------------------------------------------------- vLLM rollouts
+
+
+def _device_used_mib() -> float | None:
+    """Memory in use on GPU 0 by every process (an engine or server is another process), or None."""
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, check=True, timeout=30).stdout.splitlines()[0]
+        return float(line)
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
+
+
+def served_dir(tr, shape: str, workdir: Path) -> tuple[Path, bool]:
+    """(folder vLLM loads the backbone from, whether its weights are vLLM's dummy ones): an embedded
+    backbone's own folder, or for a Qwen3 shape its config and the tokenizer alone."""
+    if shape in EMBEDDED:
+        return Path(tr.model.config._name_or_path), False
+    d = workdir / "backbone"
+    tr.model.config.save_pretrained(d)
+    tr.tokenizer.save_pretrained(d)
+    tr.model.config._name_or_path = str(d)  # the backends check the served folder against it
+    return d, True
+
+
+def _episodes_with(tr, tasks, backend) -> list:
+    """The rollout phase (step.rollout_phase's call) through a given backend."""
+    import torch
+
+    from lopd_cli.agent.runner import run_episodes
+    from lopd_cli.models import adapters as ad
+
+    tr.model.eval()
+    with torch.no_grad(), ad.use_student(tr.model):
+        return run_episodes(tr.model, tr.tokenizer, tr.env_factory, tasks, tr.recipe.rollout, seed=1,
+                            reward_fn=tr.reward_fn, backend=backend)
+
+
+def _generation(eps, sec: float) -> dict:
+    gen = sum(sum(ep.action_mask) for ep in eps)
+    return {"episodes": len(eps), "new_tokens": gen, "prompt_tokens": max(ep.prompt_len for ep in eps),
+            "sec": sec, "tokens_per_s": gen / max(sec, 1e-9), "device_used_mib": _device_used_mib()}
+
+
+def vllm_colocated(tr, tasks, shape: str, device: str, share: float, workdir: Path) -> dict:
+    """The product's vLLM backend beside the trainer: start (engine + first refresh), a second
+    refresh (what every step pays), one rollout batch."""
+    from lopd_cli.rollout.vllm import VLLMBackend, shutdown_engines
+
+    folder, dummy = served_dir(tr, shape, workdir)
+    kwargs = {"max_model_len": tr.recipe.rollout.max_prompt_tokens, "enforce_eager": True}
+    if dummy:
+        kwargs["load_format"] = "dummy"
+    t0 = time.perf_counter()
+    backend = VLLMBackend(tr.model, tr.tokenizer, gpu_memory_utilization=share, **kwargs)
+    out = {"sec_start": time.perf_counter() - t0, "served": str(folder), "dummy_weights": dummy}
+    t0 = time.perf_counter()
+    backend.refresh()
+    out["sec_refresh"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eps = _episodes_with(tr, tasks, backend)
+    out.update(_generation(eps, time.perf_counter() - t0))
+    del backend
+    shutdown_engines()
+    return out
+
+
+def vllm_server(tr, tasks, shape: str, device: str, share: float, workdir: Path, start_timeout_s: float = 420) -> dict:
+    """A `vllm serve` of the backbone on the same device, started here; the product's server
+    backend against it: start, the adapter's first load, a second load, one rollout batch."""
+    import signal
+    import socket
+    import urllib.request
+
+    from lopd_cli.models import adapters as ad
+    from lopd_cli.rollout.vllm import lora_rank_bucket
+    from lopd_cli.rollout.vllm_server import VLLMServerBackend
+
+    if not ad.has_student_adapter(tr.model):
+        return {"skipped": "a full student cannot be pushed into a vLLM server (the product refuses it too)"}
+    folder, dummy = served_dir(tr, shape, workdir)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rank = lora_rank_bucket(int(tr.model.peft_config[ad.STUDENT].r))
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
+           "--port", str(port), "--enable-lora", "--max-lora-rank", str(rank), "--logprobs-mode", "processed_logprobs",
+           "--max-model-len", str(tr.recipe.rollout.max_prompt_tokens), "--enforce-eager", "--seed", "0"]
+    if dummy:
+        cmd += ["--load-format", "dummy", "--skip-tokenizer-init"]
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1"}
+    if device == "cpu":
+        cmd += ["--dtype", "float32"]
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        cmd += ["--gpu-memory-utilization", str(share)]
+    log = (workdir / "vllm-server.log").open("w")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None or time.perf_counter() - t0 > start_timeout_s:
+                log.flush()
+                tail = (workdir / "vllm-server.log").read_text(errors="replace")[-1500:]
+                return {"error": f"vllm serve did not start (exit {proc.poll()}): {tail}"}
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        out = {"sec_start": time.perf_counter() - t0, "served": str(folder), "dummy_weights": dummy}
+        t0 = time.perf_counter()
+        backend = VLLMServerBackend(tr.model, tr.tokenizer, f"http://127.0.0.1:{port}/v1", timeout_s=600)
+        out["sec_first_load"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        backend.refresh()
+        out["sec_refresh"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        eps = _episodes_with(tr, tasks, backend)
+        out.update(_generation(eps, time.perf_counter() - t0))
+        return out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.close()
+
+
+VLLM_PATHS = {"vllm": vllm_colocated, "vllm-server": vllm_server}
 
 
 # ----------------------------------------------------------------------------- report
@@ -515,6 +679,17 @@ def summary_lines(res: dict) -> list[str]:
         lines.append(f"  generate: {g['episodes']} episodes x {g['new_tokens'] // max(1, g['episodes'])} new tokens "
                      f"(prompt {g['prompt_tokens']}): {g['sec']:.1f} s, {g['tokens_per_s']:.0f} tokens/s, "
                      f"peak {g['peak_mib'] / 1024:.1f} GiB")
+    for name in VLLM_PATHS:
+        g = res.get(f"generate_{name}")
+        if g is None:
+            continue
+        if "skipped" in g or "error" in g:
+            lines.append(f"  generate ({name}): {g.get('skipped') or 'FAILED: ' + g['error'][-300:]}")
+            continue
+        used = f", device in use {g['device_used_mib'] / 1024:.1f} GiB" if g.get("device_used_mib") else ""
+        lines.append(f"  generate ({name}): start {g['sec_start']:.1f} s, refresh {g['sec_refresh']:.2f} s, "
+                     f"{g['episodes']} episodes x {g['new_tokens'] // max(1, g['episodes'])} new tokens: "
+                     f"{g['sec']:.1f} s, {g['tokens_per_s']:.0f} tokens/s{used}")
     for s in res["steps"]:
         phases = ", ".join(f"{k[4:]} {v:.1f}" for k, v in s.items()
                            if k.startswith("sec_") and k not in ("sec_step", "sec_rollout"))
@@ -550,6 +725,9 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=None)
     ap.add_argument("--no-checkpointing", action="store_true", help="train.activation_checkpointing off")
     ap.add_argument("--composer-every", type=int, default=1)
+    ap.add_argument("--rollout", nargs="+", default=["hf", "vllm", "vllm-server"], choices=["hf", *VLLM_PATHS],
+                    help="rollout backends to time (the vLLM ones after the steps; skipped where vLLM is absent)")
+    ap.add_argument("--vllm-share", type=float, default=0.3, help="fraction of the GPU a vLLM engine or server takes")
     ap.add_argument("--budget-s", type=float, default=450, help="start no configuration after this many seconds")
     ap.add_argument("--out", type=Path, default=None, help="JSON results (default: $OUT/lopd_step_at_scale.json if $OUT)")
     ap.add_argument("--in-process", action="store_true", help="no subprocess per configuration (tests)")
@@ -565,7 +743,8 @@ def main() -> None:
     ckpt = not a.no_checkpointing
     if a.worker:
         shape, student = a.worker.split(":")
-        print("RESULT " + json.dumps(run_config(shape, student, a.device, w, a.steps, ckpt, a.composer_every)))
+        print("RESULT " + json.dumps(run_config(shape, student, a.device, w, a.steps, ckpt, a.composer_every,
+                                                tuple(a.rollout), a.vllm_share)))
         return
     device_gib = _device_gib() if a.device.startswith("cuda") else None
     out = a.out or (Path(os.environ["OUT"]) / "lopd_step_at_scale.json" if os.environ.get("OUT") else None)
@@ -579,12 +758,14 @@ def main() -> None:
                 res = {"shape": shape, "student": student,
                        "skipped": f"the memory plan predicts {fit[1]:.0f} GiB > {device_gib:.0f} GiB on this device"}
             elif a.in_process:
-                res = run_config(shape, student, a.device, w, a.steps, ckpt, a.composer_every)
+                res = run_config(shape, student, a.device, w, a.steps, ckpt, a.composer_every, tuple(a.rollout),
+                                 a.vllm_share)
             else:
                 cmd = [sys.executable, __file__, "--worker", f"{shape}:{student}", "--device", a.device,
                        "--steps", str(a.steps), "--composer-every", str(a.composer_every),
                        "--preset", a.preset or ("tiny" if a.shape == ["tiny"] else "paper"),
-                       "--generate-tokens", str(w.generate_tokens), "--rollouts", str(w.rollouts)]
+                       "--generate-tokens", str(w.generate_tokens), "--rollouts", str(w.rollouts),
+                       "--rollout", *a.rollout, "--vllm-share", str(a.vllm_share)]
                 if a.no_checkpointing:
                     cmd.append("--no-checkpointing")
                 proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
