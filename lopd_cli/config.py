@@ -136,9 +136,9 @@ class RolloutSection(Section):
     max_prompt_tokens: int = Field(
         4096, ge=16, description="An episode stops when its context reaches this many tokens.")
     vllm_gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="vllm backend: fraction of GPU memory vLLM may take.")
+        0.5, gt=0, le=1, description="vllm backend (and a server lopd starts): fraction of GPU memory vLLM may take.")
     server_url: str = Field(
-        "", description="vllm-server backend: the OpenAI-compatible vLLM server's URL (http://HOST:PORT/v1).")
+        "", description="vllm-server backend: the vLLM server's URL (http://HOST:PORT/v1), or auto: lopd starts one.")
     server_adapter_dir: str = Field(
         "", description="vllm-server backend: an absolute folder the server reads the adapters from (empty: a temp folder).")
     server_timeout_s: float = Field(600.0, gt=0, description="vllm-server backend: seconds one request may take.")

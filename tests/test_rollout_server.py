@@ -116,3 +116,12 @@ def test_resume_lets_the_server_move_but_not_the_experiment(tmp_path):
                                        server_timeout_s=30), resume=True) is None
     with pytest.raises(LopdError, match="the recipe differs .* in section\\(s\\) rollout"):
         prepare_run_dir(run, recipe(server_url="http://b:9000/v1", temperature=0.5), resume=True)
+
+
+def test_auto_without_vllm_installed_is_one_line(monkeypatch):
+    from lopd_cli.rollout import vllm_server
+
+    monkeypatch.setattr(vllm_server.importlib.util, "find_spec", lambda name: None)  # as in an env without vLLM
+    student, tok = _tiny_with("student")
+    with pytest.raises(LopdError, match="^rollout.server_url auto: vLLM is not installed in this environment"):
+        vllm_server.VLLMServerBackend(student, tok, "auto")

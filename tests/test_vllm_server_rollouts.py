@@ -204,3 +204,25 @@ def test_lopd_train_rolls_out_on_the_server_from_the_last_step_and_a_stopped_ser
     print(last)
     assert last.startswith(f"error: rollout.server_url {server.base_url}: no server answers"), res.stderr[-3000:]
     assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+
+
+def test_lopd_train_with_server_url_auto_starts_its_own_server_and_stops_it(tmp_path):
+    """`rollout.server_url: auto`: lopd starts `vllm serve` itself, trains on it, and the server
+    is gone when lopd exits."""
+    import re
+
+    from _train_fixtures import build_project
+    from lopd_cli.train.metrics import read_metrics
+
+    project = build_project(tmp_path / "p")
+    res = subprocess.run([sys.executable, "-m", "lopd_cli", "train", "-C", str(project.root), "--recipe", "toolcall",
+                          "--run-name", "auto", "--set", "rollout.backend=vllm-server", "--set", "rollout.server_url=auto",
+                          "--set", "train.steps=2"], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-4000:]
+    rows = read_metrics(project.runs_dir / "auto")
+    assert [r["step"] for r in rows] == [1, 2] and [r["episode_errors"] for r in rows] == [0, 0], rows
+    urls = re.findall(r"served at (http://127\.0\.0\.1:\d+/v1)", res.stderr)
+    assert len(urls) == 1, res.stderr[-3000:]  # started once, reused by both steps
+    with pytest.raises(OSError):  # stopped with lopd
+        urllib.request.urlopen(urls[0] + "/models", timeout=10)

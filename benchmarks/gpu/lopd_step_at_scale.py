@@ -593,53 +593,26 @@ def vllm_colocated(tr, tasks, shape: str, device: str, share: float, workdir: Pa
     return out
 
 
-def vllm_server(tr, tasks, shape: str, device: str, share: float, workdir: Path, start_timeout_s: float = 420) -> dict:
-    """A `vllm serve` of the backbone on the same device, started here; the product's server
-    backend against it: start, the adapter's first load, a second load, one rollout batch."""
-    import signal
-    import socket
-    import urllib.request
-
+def vllm_server(tr, tasks, shape: str, device: str, share: float, workdir: Path) -> dict:
+    """A `vllm serve` of the backbone on the same device, started as the product starts one
+    (`rollout.server_url: auto`, rollout/vllm_server.py's start_server); the server backend
+    against it: start, the adapter's first load, a second load, one rollout batch."""
     from lopd_cli.models import adapters as ad
-    from lopd_cli.rollout.vllm import lora_rank_bucket
-    from lopd_cli.rollout.vllm_server import VLLMServerBackend
+    from lopd_cli.rollout.vllm import dtype_name, lora_rank_bucket
+    from lopd_cli.rollout.vllm_server import VLLMServerBackend, start_server, stop_servers
 
     if not ad.has_student_adapter(tr.model):
         return {"skipped": "a full student cannot be pushed into a vLLM server (the product refuses it too)"}
     folder, dummy = served_dir(tr, shape, workdir)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    rank = lora_rank_bucket(int(tr.model.peft_config[ad.STUDENT].r))
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
-           "--port", str(port), "--enable-lora", "--max-lora-rank", str(rank), "--logprobs-mode", "processed_logprobs",
-           "--max-model-len", str(tr.recipe.rollout.max_prompt_tokens), "--enforce-eager", "--seed", "0"]
-    if dummy:
-        cmd += ["--load-format", "dummy", "--skip-tokenizer-init"]
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1"}
-    if device == "cpu":
-        cmd += ["--dtype", "float32"]
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    else:
-        cmd += ["--gpu-memory-utilization", str(share)]
-    log = (workdir / "vllm-server.log").open("w")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        while True:
-            if proc.poll() is not None or time.perf_counter() - t0 > start_timeout_s:
-                log.flush()
-                tail = (workdir / "vllm-server.log").read_text(errors="replace")[-1500:]
-                return {"error": f"vllm serve did not start (exit {proc.poll()}): {tail}"}
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
+        url = start_server(str(folder), dtype_name(tr.model), lora_rank_bucket(int(tr.model.peft_config[ad.STUDENT].r)),
+                           tr.recipe.rollout.max_prompt_tokens, share, timeout_s=420,
+                           extra_args=("--enforce-eager",) + (("--load-format", "dummy", "--skip-tokenizer-init")
+                                                              if dummy else ()))
         out = {"sec_start": time.perf_counter() - t0, "served": str(folder), "dummy_weights": dummy}
         t0 = time.perf_counter()
-        backend = VLLMServerBackend(tr.model, tr.tokenizer, f"http://127.0.0.1:{port}/v1", timeout_s=600)
+        backend = VLLMServerBackend(tr.model, tr.tokenizer, url, timeout_s=600)
         out["sec_first_load"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         backend.refresh()
@@ -649,14 +622,7 @@ def vllm_server(tr, tasks, shape: str, device: str, share: float, workdir: Path,
         out.update(_generation(eps, time.perf_counter() - t0))
         return out
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        log.close()
+        stop_servers()
 
 
 VLLM_PATHS = {"vllm": vllm_colocated, "vllm-server": vllm_server}

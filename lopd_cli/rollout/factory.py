@@ -29,5 +29,6 @@ def make_backend(name: str, model, tokenizer, rollout=None) -> Backend:
         if rollout is None or not rollout.server_url:
             raise LopdError("rollout.backend vllm-server needs rollout.server_url (the vLLM server's URL)")
         return VLLMServerBackend(model, tokenizer, rollout.server_url, adapter_dir=rollout.server_adapter_dir,
-                                 timeout_s=rollout.server_timeout_s)
+                                 timeout_s=rollout.server_timeout_s, max_model_len=rollout.max_prompt_tokens,
+                                 gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
     raise LopdError(f"rollout.backend: unknown backend '{name}' (hf, vllm or vllm-server)")

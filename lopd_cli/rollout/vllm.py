@@ -90,7 +90,7 @@ def backbone_dir(model) -> str:
     return str(path)
 
 
-def _dtype_name(model) -> str:
+def dtype_name(model) -> str:
     import torch
 
     dtype = next(model.parameters()).dtype
@@ -254,7 +254,7 @@ class VLLMBackend:
         self.lora = ad.has_student_adapter(model)
         self.full = ad.is_wrapped(model) and not self.lora  # weights copied in on refresh
         rank = lora_rank_bucket(int(model.peft_config[ad.STUDENT].r)) if self.lora else None
-        self.llm = get_engine(backbone_dir(model), _dtype_name(model), rank, in_process=self.full, **engine_kwargs)
+        self.llm = get_engine(backbone_dir(model), dtype_name(model), rank, in_process=self.full, **engine_kwargs)
         if self.lora or self.full:
             self.refresh()
 

