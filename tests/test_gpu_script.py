@@ -82,8 +82,8 @@ def test_a_random_qwen3_backbone_from_its_config_with_the_tiny_tokenizer(tmp_pat
 @pytest.mark.slow
 def test_tiny_on_cpu_times_the_vllm_paths(tmp_path):
     """The colocated engine and the server path of the GPU script, at tiny shape on the CPU
-    (`make test-vllm`): each starts, refreshes and rolls the batch out; a full student is refused
-    by the server path as by the product."""
+    (`make test-vllm`): each starts, refreshes and rolls the batch out; a full student's server
+    refresh is a restart on its saved weights."""
     pytest.importorskip("vllm")
     out = tmp_path / "scale.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "LOPD_THREADS": "1"}
@@ -92,10 +92,10 @@ def test_tiny_on_cpu_times_the_vllm_paths(tmp_path):
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lora, full = json.loads(out.read_text())["results"]
-    for g in (lora["generate_vllm"], lora["generate_vllm-server"], full["generate_vllm"]):
+    for g in (lora["generate_vllm"], lora["generate_vllm-server"], full["generate_vllm"], full["generate_vllm-server"]):
         assert "error" not in g and "skipped" not in g, g
         assert g["episodes"] == 4 and g["new_tokens"] > 0 and g["tokens_per_s"] > 0
         assert g["sec_start"] > 0 and g["sec_refresh"] > 0
-    assert "refuses" in full["generate_vllm-server"]["skipped"]
+    assert full["generate_vllm-server"]["sec_refresh"] > 5 * lora["generate_vllm-server"]["sec_refresh"]  # a restart
     assert "generate" not in lora  # no hf generate phase asked for
     assert "generate (vllm-server): start" in proc.stdout

@@ -82,7 +82,7 @@ def test_a_full_student_is_refused_before_any_request():
     from lopd_cli.rollout.vllm_server import VLLMServerBackend
 
     full, tok = _tiny_with("encoder")
-    with pytest.raises(LopdError, match="full fine-tuned student .* use rollout.backend vllm"):
+    with pytest.raises(LopdError, match="full fine-tuned student .* use rollout.server_url auto .* or rollout.backend vllm"):
         VLLMServerBackend(full, tok, _dead_url())  # refused before it would find the server down
 
 

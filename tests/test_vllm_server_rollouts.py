@@ -226,3 +226,52 @@ def test_lopd_train_with_server_url_auto_starts_its_own_server_and_stops_it(tmp_
     assert len(urls) == 1, res.stderr[-3000:]  # started once, reused by both steps
     with pytest.raises(OSError):  # stopped with lopd
         urllib.request.urlopen(urls[0] + "/models", timeout=10)
+
+
+def test_a_full_student_is_reloaded_into_a_server_lopd_restarts(tmp_path):
+    """`server_url: auto` with a full student: each refresh saves the weights and restarts lopd's
+    server on them (the documented reload); the server samples from the weights as they are now,
+    and the previous server and folder are gone. Prints the reload's cost."""
+    import time
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from lopd_cli.models.backbone import load_backbone
+    from lopd_cli.rollout.base import SamplingParams
+    from lopd_cli.rollout.vllm_server import VLLMServerBackend, stop_servers
+
+    torch.manual_seed(0)
+    model, tok = load_backbone("tiny", device="cpu")
+    full = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"), adapter_name="encoder")  # as attach_adapters
+
+    class Plain:  # the student's own forward: the base, the encoder adapter off
+        def __call__(self, **kw):
+            with full.disable_adapter():
+                return full(**kw)
+
+    t0 = time.monotonic()
+    backend = VLLMServerBackend(full, tok, "auto", adapter_dir=str(tmp_path / "weights"), max_model_len=2048)
+    first_url, first_dir = backend.base, list((tmp_path / "weights").iterdir())
+    print(f"first load (save + server start): {time.monotonic() - t0:.1f} s")
+    prompts = [tok.encode("hello there, where is my order"), tok.encode("refund it")]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    stop = [tok.eos_token_id]
+    try:
+        assert worst(Plain(), prompts, backend.generate(prompts, params, stop), 1.0) < LOGPROB_TOL
+        with torch.no_grad():  # a training step on the base weights
+            for n, p in full.named_parameters():
+                if "lora_" not in n and p.dim() == 2:
+                    p.add_(torch.randn_like(p) * 0.05)
+        assert worst(Plain(), prompts, backend.generate(prompts, params, stop), 1.0) > 0.1  # stale
+        t0 = time.monotonic()
+        backend.refresh()
+        print(f"reload (save + server restart): {time.monotonic() - t0:.1f} s")
+        assert backend.base != first_url
+        assert worst(Plain(), prompts, backend.generate(prompts, params, stop), 1.0) < LOGPROB_TOL
+        with pytest.raises(OSError):  # the previous server is stopped ...
+            urllib.request.urlopen(first_url + "/models", timeout=10)
+        assert not first_dir[0].exists() and len(list((tmp_path / "weights").iterdir())) == 1  # ... its weights gone
+    finally:
+        stop_servers()
+    assert not list((tmp_path / "weights").iterdir())

@@ -17,8 +17,9 @@ What it runs, per configuration (model shape × student kind), each in a fresh p
               vLLM backend (rollout/vllm.py): an engine beside the trainer on `--vllm-share` of the
               GPU, the student refreshed into it (LoRA: its adapter; full: its weights, in process)
     server    (`--rollout vllm-server`) the same batch through rollout/vllm_server.py against a
-              `vllm serve` this script starts on the same GPU (`--vllm-share` of it), the LoRA
-              adapter hot-loaded (a full student is refused there, as in the product)
+              `vllm serve` started on the same GPU (`--vllm-share` of it), the LoRA adapter
+              hot-loaded; a full student through the product's reload (`rollout.server_url: auto`:
+              its weights saved, the server restarted on them)
 
 and prints seconds per phase (encode, teacher, composer, student, update), update tokens per
 second, the peak device memory (torch.cuda.max_memory_allocated; on a CPU the peak RSS) and the
@@ -601,11 +602,21 @@ def vllm_server(tr, tasks, shape: str, device: str, share: float, workdir: Path)
     from lopd_cli.rollout.vllm import dtype_name, lora_rank_bucket
     from lopd_cli.rollout.vllm_server import VLLMServerBackend, start_server, stop_servers
 
-    if not ad.has_student_adapter(tr.model):
-        return {"skipped": "a full student cannot be pushed into a vLLM server (the product refuses it too)"}
     folder, dummy = served_dir(tr, shape, workdir)
     t0 = time.perf_counter()
     try:
+        if not ad.has_student_adapter(tr.model):  # full: the documented reload (save + server restart)
+            backend = VLLMServerBackend(tr.model, tr.tokenizer, "auto", timeout_s=600,
+                                        max_model_len=tr.recipe.rollout.max_prompt_tokens, gpu_memory_utilization=share,
+                                        server_args=("--enforce-eager",) + (("--skip-tokenizer-init",) if dummy else ()))
+            out = {"sec_start": time.perf_counter() - t0, "served": backend.base, "dummy_weights": False}
+            t0 = time.perf_counter()
+            backend.refresh()
+            out["sec_refresh"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            eps = _episodes_with(tr, tasks, backend)
+            out.update(_generation(eps, time.perf_counter() - t0))
+            return out
         url = start_server(str(folder), dtype_name(tr.model), lora_rank_bucket(int(tr.model.peft_config[ad.STUDENT].r)),
                            tr.recipe.rollout.max_prompt_tokens, share, timeout_s=420,
                            extra_args=("--enforce-eager",) + (("--load-format", "dummy", "--skip-tokenizer-init")

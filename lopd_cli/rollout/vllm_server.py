@@ -31,8 +31,10 @@ its log in a temp file) once per process (rank 0 under fsdp) and stops it when t
 - A model without adapters (a merged export, a base policy) is served as the server's base
   model, which must be the model's own folder (compared by path, or by folder name when the
   server's path is not on this machine).
-- A full fine-tuned student (`model.student: full`) is refused: vLLM's server has no endpoint
-  that takes new base weights; use `rollout.backend: vllm` (an engine per training process).
+- A full fine-tuned student (`model.student: full`): vLLM's server has no endpoint that takes new
+  base weights, so against a server the user runs it is refused; with `server_url: auto` each
+  refresh is a documented reload (`_reload_full`): the weights saved as a model folder and lopd's
+  server restarted on it (its cost: a save and a server start per rollout phase).
 
 Errors are one line (`LopdError`) naming the URL: a server that does not answer, an endpoint
 that refuses (runtime LoRA loading off, an adapter rank above `--max-lora-rank`), a prompt
@@ -225,11 +227,31 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+# A full student's reload (rollout.server_url auto): backbone folder -> (the saved weights' folder,
+# the key of the server started on it).
+_RELOADED: dict[str, tuple[Path, tuple]] = {}
+
+
+def _retire_reloaded(folder: str) -> None:
+    """Stop the server of the previous reload of `folder`'s student and remove its weights."""
+    previous = _RELOADED.pop(folder, None)
+    if previous is None:
+        return
+    saved, key = previous
+    started = _STARTED.pop(key, None)
+    if started is not None:
+        _stop(started[1])
+    shutil.rmtree(saved, ignore_errors=True)
+
+
 def stop_servers() -> None:
     """Stop every server this process started."""
     for _, proc, _ in list(_STARTED.values()):
         _stop(proc)
     _STARTED.clear()
+    for saved, _ in _RELOADED.values():
+        shutil.rmtree(saved, ignore_errors=True)
+    _RELOADED.clear()
 
 
 def start_server(model_dir: str, dtype: str, max_lora_rank: int | None, max_model_len: int,
@@ -293,7 +315,7 @@ class VLLMServerBackend:
     LoRA adapter loaded into it at every refresh."""
 
     def __init__(self, model, tokenizer, server_url: str, adapter_dir: str = "", timeout_s: float = 600.0,
-                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5):
+                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, server_args: tuple = ()):
         from lopd_cli.models import adapters as ad
 
         self.model = model
@@ -301,17 +323,24 @@ class VLLMServerBackend:
         self.adapter_root = adapter_dir
         self.timeout_s = timeout_s
         self.lora = ad.has_student_adapter(model)
-        if ad.is_wrapped(model) and not self.lora:
+        self.full = ad.is_wrapped(model) and not self.lora
+        auto = server_url.strip() == AUTO
+        if self.full and not auto:
             raise LopdError("rollout.backend vllm-server: a full fine-tuned student (model.student: full) cannot be "
-                            "pushed into a vLLM server; use rollout.backend vllm (an engine in each training process)")
-        if server_url.strip() == AUTO:
-            from lopd_cli.rollout.vllm import dtype_name, backbone_dir, lora_rank_bucket
+                            "pushed into a running vLLM server; use rollout.server_url auto (lopd restarts its own "
+                            "server on the saved weights at each refresh) or rollout.backend vllm")
+        if auto:
+            from lopd_cli.rollout.vllm import backbone_dir, dtype_name, lora_rank_bucket
 
             rank = lora_rank_bucket(int(model.peft_config[ad.STUDENT].r)) if self.lora else None
             folder, dtype = backbone_dir(model), dtype_name(model)
             length = min(max_model_len, getattr(model.config, "max_position_embeddings", None) or max_model_len)
+            self._server = (folder, dtype, length, gpu_memory_utilization, tuple(server_args))
+            if self.full:
+                self.refresh()
+                return
             server_url = _on_rank0_then_everywhere(
-                lambda: start_server(folder, dtype, rank, length, gpu_memory_utilization))
+                lambda: start_server(folder, dtype, rank, length, gpu_memory_utilization, extra_args=tuple(server_args)))
         self.base = api_base(server_url)
         served = _on_rank0_then_everywhere(lambda: base_model(self.base, timeout_s=min(30.0, timeout_s)))
         local = getattr(model.config, "_name_or_path", "") or ""
@@ -327,6 +356,11 @@ class VLLMServerBackend:
         read), or a fresh snapshot of the in-memory student adapter, under a new name."""
         from lopd_cli.models import adapters as ad
 
+        if self.full:
+            if adapter_dir is not None:
+                raise LopdError(f"{adapter_dir}: a full fine-tuned student is refreshed from the model in memory")
+            self._reload_full()
+            return
         if not self.lora:
             raise LopdError("this model has no student adapter to refresh (the server serves it as its base model)")
         state = ad.whole_adapter_state(self.model, ad.STUDENT) if adapter_dir is None else None
@@ -350,6 +384,42 @@ class VLLMServerBackend:
             return name
 
         self.model_name = _on_rank0_then_everywhere(write_and_load)
+
+    def _reload_full(self) -> None:
+        """A full student as a documented reload: its weights saved as a transformers folder (the
+        backbone's config and tokenizer files, `model.safetensors`) and the lopd-started server
+        restarted on it; the previous server and folder go. Under fsdp every rank gathers the
+        weights one at a time (`base_weights`), rank 0 keeps them on the host and restarts."""
+        from lopd_cli.models import adapters as ad
+
+        folder, dtype, length, share, extra = self._server
+        import torch.distributed as tdist
+
+        keep = not _distributed() or tdist.get_rank() == 0
+        state = {}
+        for name, w in ad.base_weights(self.model):
+            if keep:
+                state[name] = w.detach().to("cpu", copy=True).contiguous()
+
+        def save_and_restart() -> str:
+            from safetensors.torch import save_file
+
+            if self.adapter_root:
+                Path(self.adapter_root).mkdir(parents=True, exist_ok=True)
+            new = Path(tempfile.mkdtemp(prefix="lopd-full-student-", dir=self.adapter_root or None))
+            for f in Path(folder).iterdir():  # config, tokenizer, chat template: all but the weights
+                if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".index.json")):
+                    shutil.copy2(f, new / f.name)
+            base = self.model.get_base_model() if ad.is_wrapped(self.model) else self.model
+            base.config.save_pretrained(new)
+            save_file(state, str(new / "model.safetensors"), metadata={"format": "pt"})
+            _retire_reloaded(folder)
+            url = start_server(str(new), dtype, None, length, share, extra_args=extra)
+            _RELOADED[folder] = (new, (str(new), dtype, None, length, extra))
+            return url
+
+        self.base = api_base(_on_rank0_then_everywhere(save_and_restart))
+        self.model_name = base_model(self.base, timeout_s=min(30.0, self.timeout_s))["id"]
 
     def request_body(self, prompt: list[int], params: SamplingParams, stop_ids: list[int], row: int) -> dict:
         greedy = params.temperature <= 0
