@@ -275,3 +275,27 @@ def test_a_full_student_is_reloaded_into_a_server_lopd_restarts(tmp_path):
     finally:
         stop_servers()
     assert not list((tmp_path / "weights").iterdir())
+
+
+def test_lopd_evolve_rolls_out_every_round_on_one_server_it_started(tmp_path):
+    """`lopd evolve` with `rollout.server_url: auto`: the base policy (no adapter) and each
+    round's LoRA student are served by the one server lopd started, which is gone afterwards."""
+    import re
+
+    from test_evolve import SMALL, build_sft_project
+
+    project = build_sft_project(tmp_path / "p")
+    sets = [*SMALL, "rollout.backend=vllm-server", "rollout.server_url=auto"]
+    res = subprocess.run([sys.executable, "-m", "lopd_cli", "evolve", "-C", str(project.root), "--recipe", "toolcall",
+                          "--run", "ev", "--rounds", "2", "--algo", "sft", *[a for s in sets for a in ("--set", s)]],
+                         capture_output=True, text=True, timeout=1200, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout[-2000:] + res.stderr[-4000:]
+    rounds = [json.loads(x) for x in (project.runs_dir / "ev" / "rounds.jsonl").read_text().splitlines()]
+    assert len(rounds) == 3, rounds  # the base's validation, then 2 rounds
+    for k in (1, 2):
+        eps = [json.loads(x) for x in (project.runs_dir / "ev" / "rounds" / f"r0{k}" / "rollouts.jsonl").read_text().splitlines()]
+        assert len(eps) == 6 and not any(e["meta"].get("error") for e in eps)
+    urls = re.findall(r"served at (http://127\.0\.0\.1:\d+/v1)", res.stderr)
+    assert len(urls) == 1, res.stderr[-3000:]
+    with pytest.raises(OSError):
+        urllib.request.urlopen(urls[0] + "/models", timeout=10)

@@ -70,6 +70,7 @@ START_HINT = ("start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve BA
 MAX_CONCURRENT_REQUESTS = 64
 
 AUTO = "auto"  # rollout.server_url: lopd starts the server
+AUTO_LORA_RANK = 64  # the LoRA rank a started server allows when the first model it serves has no adapter
 START_TIMEOUT_S = 900.0
 # Servers this process started: (model dir, dtype, LoRA rank, max model len, extra args) -> (URL, process, log).
 _STARTED: dict[tuple, tuple[str, subprocess.Popen, Path]] = {}
@@ -263,8 +264,9 @@ def start_server(model_dir: str, dtype: str, max_lora_rank: int | None, max_mode
     import torch
 
     key = (model_dir, dtype, max_lora_rank, max_model_len, tuple(extra_args))
-    if key in _STARTED and _STARTED[key][1].poll() is None:
-        return _STARTED[key][0]
+    for (d, dt, rank, length, extra), (url, proc, _) in _STARTED.items():  # one that serves this too
+        if (d, dt, length, extra) == key[:2] + key[3:] and (rank or 0) >= (max_lora_rank or 0) and proc.poll() is None:
+            return url
     if importlib.util.find_spec("vllm") is None:
         raise LopdError("rollout.server_url auto: vLLM is not installed in this environment (pip install -e "
                         "'.[vllm]'; on a CPU run lopd from .venv-vllm), or start a server and give its URL")
@@ -332,7 +334,8 @@ class VLLMServerBackend:
         if auto:
             from lopd_cli.rollout.vllm import backbone_dir, dtype_name, lora_rank_bucket
 
-            rank = lora_rank_bucket(int(model.peft_config[ad.STUDENT].r)) if self.lora else None
+            # a model without adapters (evolve's first incumbent) still gets LoRA on, for the students after it
+            rank = lora_rank_bucket(int(model.peft_config[ad.STUDENT].r)) if self.lora else AUTO_LORA_RANK
             folder, dtype = backbone_dir(model), dtype_name(model)
             length = min(max_model_len, getattr(model.config, "max_position_embeddings", None) or max_model_len)
             self._server = (folder, dtype, length, gpu_memory_utilization, tuple(server_args))
