@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LOGPROB_TOL = 1e-4  # as tests/test_rollout_vllm.py: vLLM's CPU kernels against torch's, fp32
 MAX_LORA_RANK = 16
+API_KEY = "lopd-test-key"
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,9 @@ def server(tmp_path_factory):
     from lopd_cli.models.backbone import resolve_backbone
 
     log = tmp_path_factory.mktemp("server") / "vllm.log"
+    # The server wants an API key (VLLM_API_KEY, which vllm serve reads); lopd sends the same variable.
+    before = os.environ.get("VLLM_API_KEY")
+    os.environ["VLLM_API_KEY"] = API_KEY
     srv = Server(["--model", str(resolve_backbone("tiny")), "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK),
                   "--logprobs-mode", "processed_logprobs"], log, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     try:
@@ -42,11 +47,27 @@ def server(tmp_path_factory):
         yield srv
     finally:
         srv.stop()
+        if before is None:
+            os.environ.pop("VLLM_API_KEY", None)
+        else:
+            os.environ["VLLM_API_KEY"] = before
 
 
 def served_models(server) -> list[str]:
-    with urllib.request.urlopen(server.base_url + "/models", timeout=30) as r:
+    req = urllib.request.Request(server.base_url + "/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
         return [m["id"] for m in json.load(r)["data"]]
+
+
+def is_down(base_url: str) -> bool:
+    """Nothing answers at the server's address (/health needs no key: a live server answers it)."""
+    try:
+        urllib.request.urlopen(base_url.removesuffix("/v1") + "/health", timeout=10)
+    except urllib.error.HTTPError:
+        return False
+    except OSError:
+        return True
+    return False
 
 
 def lora_student(r: int, seed: int = 0):
@@ -116,6 +137,16 @@ def test_the_server_samples_from_the_student_as_of_the_last_refresh(server, tmp_
     # the old adapter is unloaded and its folder removed; the new one is the only one of ours
     assert [m for m in served_models(server) if m.startswith("lopd-")] == [backend.model_name]
     assert len(list((tmp_path / "adapters").iterdir())) == 1
+
+
+def test_a_server_that_wants_a_key_is_one_line_without_it(server, monkeypatch):
+    from lopd_cli.errors import LopdError
+    from lopd_cli.rollout.vllm_server import VLLMServerBackend
+
+    student, tok = lora_student(8)
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(LopdError, match=r"/models refused \(HTTP 401\).*set VLLM_API_KEY\)$"):
+        VLLMServerBackend(student, tok, server.base_url)
 
 
 def test_an_adapter_the_server_refuses_is_one_line(server):
@@ -224,8 +255,7 @@ def test_lopd_train_with_server_url_auto_starts_its_own_server_and_stops_it(tmp_
     assert [r["step"] for r in rows] == [1, 2] and [r["episode_errors"] for r in rows] == [0, 0], rows
     urls = re.findall(r"served at (http://127\.0\.0\.1:\d+/v1)", res.stderr)
     assert len(urls) == 1, res.stderr[-3000:]  # started once, reused by both steps
-    with pytest.raises(OSError):  # stopped with lopd
-        urllib.request.urlopen(urls[0] + "/models", timeout=10)
+    assert is_down(urls[0])  # stopped with lopd
 
 
 def test_a_full_student_is_reloaded_into_a_server_lopd_restarts(tmp_path):
@@ -269,8 +299,7 @@ def test_a_full_student_is_reloaded_into_a_server_lopd_restarts(tmp_path):
         print(f"reload (save + server restart): {time.monotonic() - t0:.1f} s")
         assert backend.base != first_url
         assert worst(Plain(), prompts, backend.generate(prompts, params, stop), 1.0) < LOGPROB_TOL
-        with pytest.raises(OSError):  # the previous server is stopped ...
-            urllib.request.urlopen(first_url + "/models", timeout=10)
+        assert is_down(first_url)  # the previous server is stopped ...
         assert not first_dir[0].exists() and len(list((tmp_path / "weights").iterdir())) == 1  # ... its weights gone
     finally:
         stop_servers()
@@ -297,5 +326,4 @@ def test_lopd_evolve_rolls_out_every_round_on_one_server_it_started(tmp_path):
         assert len(eps) == 6 and not any(e["meta"].get("error") for e in eps)
     urls = re.findall(r"served at (http://127\.0\.0\.1:\d+/v1)", res.stderr)
     assert len(urls) == 1, res.stderr[-3000:]
-    with pytest.raises(OSError):
-        urllib.request.urlopen(urls[0] + "/models", timeout=10)
+    assert is_down(urls[0])

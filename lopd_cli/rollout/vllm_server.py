@@ -103,8 +103,10 @@ def request(base: str, path: str, body: dict | None = None, timeout_s: float = 6
     """GET (body None) or POST JSON to `base + path`; the decoded JSON answer (or its text).
     Raises a one-line LopdError when the server does not answer or refuses."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get("VLLM_API_KEY"):  # the variable `vllm serve` reads for its --api-key
+        headers["Authorization"] = f"Bearer {os.environ['VLLM_API_KEY']}"
+    req = urllib.request.Request(base + path, data=data, method="GET" if body is None else "POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             raw = r.read()
@@ -112,6 +114,8 @@ def request(base: str, path: str, body: dict | None = None, timeout_s: float = 6
         msg = _error_message(e.read())
         if e.code == 404 and "lora_adapter" in path:
             msg += " (runtime LoRA loading is off: start the server with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
+        if e.code == 401:
+            msg += " (the server wants an API key: set VLLM_API_KEY)"
         raise LopdError(f"rollout.server_url {base}: {path} refused (HTTP {e.code}): {msg}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
