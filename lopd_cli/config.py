@@ -147,6 +147,8 @@ class RolloutSection(Section):
     def _server_settings(self) -> "RolloutSection":
         if self.backend == "vllm-server" and not self.server_url:
             raise ValueError("rollout.backend vllm-server needs rollout.server_url (the vLLM server's URL)")
+        if self.server_url and self.server_url != "auto" and not self.server_url.startswith(("http://", "https://")):
+            raise ValueError(f"rollout.server_url must be auto or an http(s) URL (got '{self.server_url}')")
         if self.server_adapter_dir and not Path(self.server_adapter_dir).is_absolute():
             raise ValueError("rollout.server_adapter_dir must be an absolute path (the server reads it)")
         return self

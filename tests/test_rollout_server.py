@@ -38,6 +38,9 @@ def test_recipe_needs_a_server_url_and_an_absolute_adapter_folder():
         RolloutSection(backend="vllm-server")
     with pytest.raises(ValidationError, match="server_adapter_dir must be an absolute path"):
         RolloutSection(backend="vllm-server", server_url="http://h:1", server_adapter_dir="adapters")
+    with pytest.raises(ValidationError, match="server_url must be auto or an http"):
+        RolloutSection(backend="vllm-server", server_url="h:8000")
+    assert RolloutSection(backend="vllm-server", server_url="auto").server_url == "auto"
     ok = RolloutSection(backend="vllm-server", server_url="http://h:1", server_adapter_dir="/srv/adapters")
     assert ok.server_timeout_s == 600.0
 
