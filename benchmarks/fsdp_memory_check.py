@@ -69,6 +69,25 @@ def worker(project: Path, student: str, out: Path) -> None:
         return nll_update(tr, local, total_tokens)
 
     sft.nll_update = recording
+
+    # transformers maps the safetensors file into memory: a LoRA backbone nobody writes stays in
+    # file-backed pages, which RssAnon does not count (one process measured 0.76 of plan that way,
+    # 2026-12-06), while sharding copies it into anonymous memory. Own copies at load, as
+    # benchmarks/gpu/lopd_step_at_scale.py makes, so every world counts the same weights.
+    from lopd_cli.train import loop
+
+    real_load = loop.load_backbone
+
+    def owned(*args, **kwargs):
+        import torch
+
+        model, tok = real_load(*args, **kwargs)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                t.data = t.data.clone()
+        return model, tok
+
+    loop.load_backbone = owned
     proj = open_project(project)
     recipe = proj.load_recipe("toolcall", SETS + [f"model.student={student}"])
     dist.init_from_env()
