@@ -28,7 +28,8 @@ def main(kind: str, out_dir: Path) -> None:
     from lopd_cli.models.backbone import load_backbone
     from lopd_cli.rollout.base import SamplingParams
     from lopd_cli.rollout.factory import make_backend
-    from lopd_cli.rollout.vllm import colocated, shutdown_engines
+    from lopd_cli.rollout.vllm import shutdown_engines
+    from lopd_cli.train.distributed import is_distributed
     from lopd_cli.train import sharding
 
     tdist.init_process_group("gloo")
@@ -40,7 +41,7 @@ def main(kind: str, out_dir: Path) -> None:
     units = sharding.shard_module(model, init_device_mesh("cpu", (tdist.get_world_size(),)))
     trained = [p for n, p in model.named_parameters() if ("lora_B" in n and ".student" in n) or
                (kind == "full" and ad.adapter_of(n) == ad.BASE)]
-    assert trained and colocated() and all(isinstance(p, torch.distributed.tensor.DTensor) for p in trained)
+    assert trained and is_distributed() and all(isinstance(p, torch.distributed.tensor.DTensor) for p in trained)
 
     def change(seed: int, sign: float = 1.0) -> None:
         """A new value for every trained weight, written into this rank's shard only."""

@@ -168,6 +168,7 @@ def test_lopd_train_under_fsdp_rolls_out_on_the_server_and_unloads_at_exit(serve
 
     project = build_project(tmp_path / "p")
     ours_before = [m for m in served_models(server) if m.startswith("lopd-")]
+    loads_before = server.tail(100_000).count("Loaded new LoRA adapter")
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     sets = ["rollout.backend=vllm-server", f"rollout.server_url={server.base_url}", "train.parallel=fsdp",
             "rollout.batch_size=2", "train.micro_batch=2", "train.steps=2", "train.save_every=1"]
@@ -180,6 +181,7 @@ def test_lopd_train_under_fsdp_rolls_out_on_the_server_and_unloads_at_exit(serve
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["rollouts_total"] - rows[0]["rollouts_total"] == 4, rows  # rollouts_per_step, 2 per rank
     assert [r["episode_errors"] for r in rows] == [0, 0], rows
+    assert server.tail(100_000).count("Loaded new LoRA adapter") - loads_before == 2  # rank 0, once per step
     assert [m for m in served_models(server) if m.startswith("lopd-")] == ours_before  # its adapter left with it
 
 
@@ -327,3 +329,80 @@ def test_lopd_evolve_rolls_out_every_round_on_one_server_it_started(tmp_path):
     urls = re.findall(r"served at (http://127\.0\.0\.1:\d+/v1)", res.stderr)
     assert len(urls) == 1, res.stderr[-3000:]
     assert is_down(urls[0])
+
+
+def _lopd_train(project, name: str, sets: list[str], log: Path, resume: bool = False) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lopd_cli", "train", "-C", str(project.root), "--recipe", "toolcall",
+                             "--run-name", name, *[a for s in sets for a in ("--set", s)], *(["--resume"] if resume else [])],
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def _wait_for(cond, timeout_s: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_a_server_killed_mid_run_is_one_line_and_the_run_resumes_on_another(tmp_path):
+    """The server dies (SIGKILL) while `lopd train` is using it: lopd exits at once with one line,
+    its checkpoints stay, and `--resume` continues on a new server (here one lopd starts)."""
+    import signal
+
+    from _train_fixtures import build_project
+    from lopd_cli.models.backbone import resolve_backbone
+    from lopd_cli.train.metrics import read_metrics
+
+    project = build_project(tmp_path / "p")
+    srv = Server(["--model", str(resolve_backbone("tiny")), "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK),
+                  "--logprobs-mode", "processed_logprobs"], tmp_path / "vllm.log",
+                 env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    try:
+        srv.wait_ready()
+        sets = ["rollout.backend=vllm-server", f"rollout.server_url={srv.base_url}", "train.steps=40", "train.save_every=1"]
+        log = tmp_path / "train.log"
+        proc = _lopd_train(project, "k", sets, log)
+        ckpt = project.runs_dir / "k" / "checkpoints"
+        _wait_for(lambda: (ckpt / "step_1").exists() or proc.poll() is not None, 600, "the first checkpoint")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        proc.wait(timeout=120)  # no hang
+    finally:
+        srv.stop()
+    err = log.read_text()
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"error: rollout.server_url {srv.base_url}: no server answers"), err[-2000:]
+    steps = sorted(int(p.name.split("_")[1]) for p in ckpt.glob("step_*"))
+    assert steps and (ckpt / f"step_{steps[-1]}" / "student" / "adapter_model.safetensors").is_file()
+    done = len(read_metrics(project.runs_dir / "k"))
+    resumed = _lopd_train(project, "k", ["rollout.backend=vllm-server", "rollout.server_url=auto",
+                                         f"train.steps={steps[-1] + 1}", "train.save_every=1"], tmp_path / "resume.log",
+                          resume=True)
+    assert resumed.wait(timeout=900) == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    rows = read_metrics(project.runs_dir / "k")
+    assert rows[-1]["step"] == steps[-1] + 1 and len(rows) >= done
+
+
+def test_lopd_killed_mid_run_takes_the_server_it_started_with_it(tmp_path):
+    """SIGKILL leaves lopd no exit hook: the server it started (`auto`) must still go."""
+    import re
+    import signal
+
+    from _train_fixtures import build_project
+
+    project = build_project(tmp_path / "p")
+    log = tmp_path / "train.log"
+    proc = _lopd_train(project, "k", ["rollout.backend=vllm-server", "rollout.server_url=auto", "train.steps=40"], log)
+    try:
+        _wait_for(lambda: "served at" in log.read_text() or proc.poll() is not None, 600, "the server")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        url = re.search(r"served at (http://127\.0\.0\.1:\d+/v1)", log.read_text()).group(1)
+        assert not is_down(url)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _wait_for(lambda: is_down(url), 60, "the server to stop")
+    finally:
+        if proc.poll() is None:
+            proc.kill()

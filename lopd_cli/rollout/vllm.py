@@ -122,13 +122,6 @@ def _built_in_this_process():
         envs.disable_envs_cache()  # the in-process engine core froze every VLLM_* variable
 
 
-def colocated() -> bool:
-    """Several training processes (torchrun), each with its own engine beside its shard."""
-    import torch.distributed as tdist
-
-    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
-
-
 def _sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
@@ -137,8 +130,11 @@ def _sleep_mode_available() -> bool:
 
 def get_engine(path: str, dtype: str, max_lora_rank: int | None, in_process: bool = False, **engine_kwargs):
     """One `vllm.LLM` per (backbone dir, dtype, LoRA rank, in this process or not, extra args)
-    for the whole process. Under torchrun (`colocated`) the engine is this rank's, in this process."""
-    if colocated():
+    for the whole process. Under torchrun (several training processes) the engine is this rank's,
+    in this process, beside its shard (colocated)."""
+    from lopd_cli.train import distributed as dist
+
+    if dist.is_distributed():
         in_process = True
         engine_kwargs["distributed_executor_backend"] = "external_launcher"
         if not _on_cpu() and _sleep_mode_available():

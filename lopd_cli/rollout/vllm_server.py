@@ -45,6 +45,7 @@ run's checkpoints and metrics stay as they were and `--resume` continues once th
 from __future__ import annotations
 
 import atexit
+import http.client
 import importlib.util
 import json
 import os
@@ -64,6 +65,7 @@ from pathlib import Path
 
 from lopd_cli.errors import LopdError
 from lopd_cli.rollout.base import Generation, SamplingParams
+from lopd_cli.train import distributed as dist
 
 START_HINT = ("start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve BACKBONE --enable-lora "
               "--max-lora-rank R --logprobs-mode processed_logprobs")
@@ -117,8 +119,8 @@ def request(base: str, path: str, body: dict | None = None, timeout_s: float = 6
         if e.code == 401:
             msg += " (the server wants an API key: set VLLM_API_KEY)"
         raise LopdError(f"rollout.server_url {base}: {path} refused (HTTP {e.code}): {msg}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut short
+        reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
         raise LopdError(f"rollout.server_url {base}: no server answers ({reason}); {START_HINT}") from None
     try:
         return json.loads(raw)
@@ -185,37 +187,23 @@ def load_adapter(base: str, adapter_dir: Path, name: str, timeout_s: float) -> N
         _unload(base, *previous, timeout_s=timeout_s)
 
 
-def _distributed() -> bool:
-    import torch.distributed as tdist
-
-    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
-
-
-def _on_rank0_then_everywhere(fn):
-    """fn() on rank 0 only (every rank under fsdp runs this together); its result, or its one-line
-    error, on every rank, so that a refused adapter stops every rank instead of leaving the
-    others waiting in the next collective."""
-    if not _distributed():
-        return fn()
-    import torch.distributed as tdist
-
-    box: list = [None]
-    if tdist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except LopdError as e:
-            box[0] = ("error", str(e))
-    tdist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        raise LopdError(value)
-    return value
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _own_session_ending_with_parent() -> None:
+    """In the server's child process before exec: a session of its own (so that its process group,
+    the engine's workers included, can be signalled as one), and SIGTERM when lopd dies, however
+    it dies (Linux; elsewhere only lopd's exit hook stops it)."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -294,7 +282,8 @@ def start_server(model_dir: str, dtype: str, max_lora_rank: int | None, max_mode
     base = f"http://127.0.0.1:{port}/v1"
     t0 = time.monotonic()
     with os.fdopen(fd, "w") as out, heartbeat("vllm-server"), activity(f"starting vLLM server for {model_dir}"):
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=_own_session_ending_with_parent)
         _STARTED[key] = (base, proc, log)
         while True:
             if proc.poll() is not None:
@@ -346,10 +335,10 @@ class VLLMServerBackend:
             if self.full:
                 self.refresh()
                 return
-            server_url = _on_rank0_then_everywhere(
+            server_url = dist.on_main(
                 lambda: start_server(folder, dtype, rank, length, gpu_memory_utilization, extra_args=tuple(server_args)))
         self.base = api_base(server_url)
-        served = _on_rank0_then_everywhere(lambda: base_model(self.base, timeout_s=min(30.0, timeout_s)))
+        served = dist.on_main(lambda: base_model(self.base, timeout_s=min(30.0, timeout_s)))
         local = getattr(model.config, "_name_or_path", "") or ""
         if not same_model(str(served.get("root") or served["id"]), local):
             raise LopdError(f"rollout.server_url {self.base}: the server serves {served.get('root') or served['id']}, "
@@ -390,7 +379,7 @@ class VLLMServerBackend:
                 raise
             return name
 
-        self.model_name = _on_rank0_then_everywhere(write_and_load)
+        self.model_name = dist.on_main(write_and_load)
 
     def _reload_full(self) -> None:
         """A full student as a documented reload: its weights saved as a transformers folder (the
@@ -400,9 +389,7 @@ class VLLMServerBackend:
         from lopd_cli.models import adapters as ad
 
         folder, dtype, length, share, extra = self._server
-        import torch.distributed as tdist
-
-        keep = not _distributed() or tdist.get_rank() == 0
+        keep = dist.is_main()
         state = {}
         for name, w in ad.base_weights(self.model):
             if keep:
@@ -425,7 +412,7 @@ class VLLMServerBackend:
             _RELOADED[folder] = (new, (str(new), dtype, None, length, extra))
             return url
 
-        self.base = api_base(_on_rank0_then_everywhere(save_and_restart))
+        self.base = api_base(dist.on_main(save_and_restart))
         self.model_name = base_model(self.base, timeout_s=min(30.0, self.timeout_s))["id"]
 
     def request_body(self, prompt: list[int], params: SamplingParams, stop_ids: list[int], row: int) -> dict:
