@@ -571,9 +571,20 @@ def _generation(eps, sec: float) -> dict:
             "sec": sec, "tokens_per_s": gen / max(sec, 1e-9), "device_used_mib": _device_used_mib()}
 
 
+def _refresh_and_generate(tr, tasks, backend, out: dict) -> dict:
+    """Time a second refresh (what every step pays) and one rollout batch into `out`."""
+    t0 = time.perf_counter()
+    backend.refresh()
+    out["sec_refresh"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eps = _episodes_with(tr, tasks, backend)
+    out.update(_generation(eps, time.perf_counter() - t0))
+    return out
+
+
 def vllm_colocated(tr, tasks, shape: str, device: str, share: float, workdir: Path) -> dict:
     """The product's vLLM backend beside the trainer: start (engine + first refresh), a second
-    refresh (what every step pays), one rollout batch."""
+    refresh, one rollout batch."""
     from lopd_cli.rollout.vllm import VLLMBackend, shutdown_engines
 
     folder, dummy = served_dir(tr, shape, workdir)
@@ -582,56 +593,33 @@ def vllm_colocated(tr, tasks, shape: str, device: str, share: float, workdir: Pa
         kwargs["load_format"] = "dummy"
     t0 = time.perf_counter()
     backend = VLLMBackend(tr.model, tr.tokenizer, gpu_memory_utilization=share, **kwargs)
-    out = {"sec_start": time.perf_counter() - t0, "served": str(folder), "dummy_weights": dummy}
-    t0 = time.perf_counter()
-    backend.refresh()
-    out["sec_refresh"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    eps = _episodes_with(tr, tasks, backend)
-    out.update(_generation(eps, time.perf_counter() - t0))
-    del backend
-    shutdown_engines()
-    return out
+    try:
+        out = {"sec_start": time.perf_counter() - t0, "served": str(folder), "dummy_weights": dummy}
+        return _refresh_and_generate(tr, tasks, backend, out)
+    finally:
+        del backend
+        shutdown_engines()
 
 
 def vllm_server(tr, tasks, shape: str, device: str, share: float, workdir: Path) -> dict:
-    """A `vllm serve` of the backbone on the same device, started as the product starts one
-    (`rollout.server_url: auto`, rollout/vllm_server.py's start_server); the server backend
-    against it: start, the adapter's first load, a second load, one rollout batch."""
+    """The product's server backend with `rollout.server_url: auto`: a `vllm serve` on the same
+    device that the backend starts (start = server start + the student's first load: a LoRA
+    adapter, or a full student's saved weights and the server started on them), a second
+    refresh, one rollout batch."""
     from lopd_cli.models import adapters as ad
-    from lopd_cli.rollout.vllm import dtype_name, lora_rank_bucket
-    from lopd_cli.rollout.vllm_server import VLLMServerBackend, start_server, stop_servers
+    from lopd_cli.rollout.vllm_server import VLLMServerBackend, stop_servers
 
     folder, dummy = served_dir(tr, shape, workdir)
+    lora = ad.has_student_adapter(tr.model)
+    args = ("--enforce-eager",) + (("--skip-tokenizer-init",) if dummy else ())
+    if dummy and lora:  # a full student's server loads the weights it saved; a LoRA one vLLM's own random ones
+        args += ("--load-format", "dummy")
     t0 = time.perf_counter()
     try:
-        if not ad.has_student_adapter(tr.model):  # full: the documented reload (save + server restart)
-            backend = VLLMServerBackend(tr.model, tr.tokenizer, "auto", timeout_s=600,
-                                        max_model_len=tr.recipe.rollout.max_prompt_tokens, gpu_memory_utilization=share,
-                                        server_args=("--enforce-eager",) + (("--skip-tokenizer-init",) if dummy else ()))
-            out = {"sec_start": time.perf_counter() - t0, "served": backend.base, "dummy_weights": False}
-            t0 = time.perf_counter()
-            backend.refresh()
-            out["sec_refresh"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            eps = _episodes_with(tr, tasks, backend)
-            out.update(_generation(eps, time.perf_counter() - t0))
-            return out
-        url = start_server(str(folder), dtype_name(tr.model), lora_rank_bucket(int(tr.model.peft_config[ad.STUDENT].r)),
-                           tr.recipe.rollout.max_prompt_tokens, share, timeout_s=420,
-                           extra_args=("--enforce-eager",) + (("--load-format", "dummy", "--skip-tokenizer-init")
-                                                              if dummy else ()))
-        out = {"sec_start": time.perf_counter() - t0, "served": str(folder), "dummy_weights": dummy}
-        t0 = time.perf_counter()
-        backend = VLLMServerBackend(tr.model, tr.tokenizer, url, timeout_s=600)
-        out["sec_first_load"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        backend.refresh()
-        out["sec_refresh"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        eps = _episodes_with(tr, tasks, backend)
-        out.update(_generation(eps, time.perf_counter() - t0))
-        return out
+        backend = VLLMServerBackend(tr.model, tr.tokenizer, "auto", timeout_s=600, gpu_memory_utilization=share,
+                                    max_model_len=tr.recipe.rollout.max_prompt_tokens, server_args=args)
+        out = {"sec_start": time.perf_counter() - t0, "served": str(folder), "dummy_weights": dummy and lora}
+        return _refresh_and_generate(tr, tasks, backend, out)
     finally:
         stop_servers()
 
