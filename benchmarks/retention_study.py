@@ -23,9 +23,21 @@ paired change against the start), OUT/study.md (the table) and OUT/study.png (ta
 against retention change, one point per run, the arm's mean as a cross). Runs already finished
 under OUT/work are reused.
 
-What it simplifies: the tiny model (1.1M parameters) stands in for SmolLM2-135M (one SmolLM2 SFT
-step costs minutes on 2 cores, an arm of rounds hours); evolve's own gate keeps the validation
-tasks and the retention world's validation tasks apart from the test tasks scored here.
+`--model smollm2` is the same study on SmolLM2-135M-Instruct, the issue's real model: the project
+is `lopd init --example orders --model smollm2-135m-instruct` with the same logs, the retention
+recipe `bfcl` (packaged `bfcl-smollm2-sft.yaml`: BFCL's five single-turn categories, official
+checkers), no cold start (arms without LOPD's composer) and SmolLM2-sized rounds (SMOLLM2 below):
+
+    LOPD_THREADS=2 python benchmarks/retention_study.py prepare --model smollm2 --project /tmp/rs2
+    LOPD_THREADS=1 python benchmarks/retention_study.py run --model smollm2 --project /tmp/rs2 \
+        --out benchmarks/results/retention_study_smollm2 --arms sft=sft sft+recovery=sft:evolve.recover_steps=1 \
+        --seeds 0 --jobs 2 --budget 48 -n 64 --no-base
+
+What it simplifies: with `--model tiny` (the default), the 1.1M model stands in for SmolLM2-135M
+(one SmolLM2 SFT step costs minutes on 2 cores, an arm of rounds hours); with `--model smollm2`
+the rounds are a few steps and the test splits 64 tasks, what this CPU allows. Evolve's own gate
+keeps the validation tasks and the retention world's validation tasks apart from the test tasks
+scored here.
 """
 
 from __future__ import annotations
@@ -39,21 +51,50 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from evolve_study import paired  # the paired mean and its normal 95 % interval, as that study reports it
 
-TARGET, RETAIN = "toolcall", "plain"
 START = "runs/sft"
 ARMS = ["sft=sft", "sft+recovery=sft:evolve.recover_steps=4", "lopd=lopd", "sdpo=sdpo", "grpo=grpo"]
-# Every arm: rounds from the SFT pass, the same sizes (a round: 64 rollouts of new training tasks;
-# 12 training steps; LOPD/SDPO/GRPO roll out 16 episodes per step, SDPO and GRPO in groups of 4).
-COMMON = [f"train.init_from={START}", "evolve.start=incumbent", f"evolve.retain=[{RETAIN}]",
-          "evolve.tasks_per_round=64", "evolve.steps=12", "evolve.val_n=64", "evolve.retain_tolerance=0.05",
-          "rollout.rollouts_per_step=16", "rollout.batch_size=32", "train.sft.batch=32",
-          "train.grpo.group_size=4", "train.sdpo.group_size=4", "train.lr=1e-3"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One model's study: its worlds, its starting model's SFT pass, the rounds every arm shares."""
+    model: str            # lopd init --model
+    target: str           # the target recipe (the project's default, house rule set 0)
+    retain: str           # the retention recipe (its file stem names the world in rounds.jsonl)
+    start_sets: list      # SFT's pass on the logs: the starting model runs/sft
+    common: list          # every arm's rounds
+    coldstart: bool       # LOPD's composer (only the lopd arm needs it)
+
+
+TINY = Profile(
+    model="tiny", target="toolcall", retain="plain",
+    start_sets=["train.algo=sft", "train.steps=48", "train.save_every=48", "train.sft.batch=32"],
+    # a round: 64 rollouts of new training tasks; 12 training steps; LOPD/SDPO/GRPO roll out 16
+    # episodes per step, SDPO and GRPO in groups of 4
+    common=[f"train.init_from={START}", "evolve.start=incumbent", "evolve.retain=[plain]",
+            "evolve.tasks_per_round=64", "evolve.steps=12", "evolve.val_n=64", "evolve.retain_tolerance=0.05",
+            "rollout.rollouts_per_step=16", "rollout.batch_size=32", "train.sft.batch=32",
+            "train.grpo.group_size=4", "train.sdpo.group_size=4", "train.lr=1e-3"],
+    coldstart=True)
+SMOLLM2 = Profile(
+    model="smollm2-135m-instruct", target="toolcall", retain="bfcl",
+    # 12 SFT steps of 8 logged successes (96 examples; 21.9 % of 32 orders test tasks when first run)
+    start_sets=["train.algo=sft", "train.steps=12", "train.save_every=12", "train.sft.batch=8", "train.micro_batch=1"],
+    # a round: 16 rollouts of new training tasks, 3 SFT steps of 8; on-policy arms 8 episodes per step
+    # (groups of 4); 16 validation tasks per world, so the tolerance is two tasks (12.5 points)
+    common=[f"train.init_from={START}", "evolve.start=incumbent", "evolve.retain=[bfcl]",
+            "evolve.tasks_per_round=16", "evolve.steps=3", "evolve.val_n=16", "evolve.retain_tolerance=0.1",
+            "rollout.rollouts_per_step=8", "rollout.batch_size=8", "train.sft.batch=8", "train.micro_batch=1",
+            "train.grpo.group_size=4", "train.sdpo.group_size=4", "train.lr=1e-3"],
+    coldstart=False)
+PROFILES = {"tiny": TINY, "smollm2": SMOLLM2}
 
 
 def lopd(args: list[str], cwd: Path, log: Path) -> tuple[str, float]:
@@ -72,25 +113,32 @@ def lopd(args: list[str], cwd: Path, log: Path) -> tuple[str, float]:
     return out.read_text(), usage.ru_utime + usage.ru_stime
 
 
-def prepare(project: Path) -> None:
+def prepare(project: Path, prof: Profile) -> None:
     from lopd_cli.bank.index import build_index
     from lopd_cli.bank.store import Bank
     from lopd_cli.envs.orders import OrdersEnv
     from lopd_cli.envs.orders_agent import scripted_agent_records
     from lopd_cli.pipeline.demo import AGENT_LOGS, DEMO_OVERRIDES
     from lopd_cli.project.scaffold import create_project
+    from lopd_cli.project import packaged_recipes
     from lopd_cli.train.coldstart import run_coldstart
     from lopd_cli.train.loop import train
 
     if project.exists():
         shutil.rmtree(project)
-    proj = create_project(project, example="orders", model="tiny")
-    data = yaml.safe_load((proj.recipes_dir / f"{TARGET}.yaml").read_text())
-    plain = {**data, "name": RETAIN, "env": {**data["env"], "kwargs": {**data["env"]["kwargs"], "house_rules": False}}}
-    (proj.recipes_dir / f"{RETAIN}.yaml").write_text(
-        "# the orders world without house rules: the retention world of benchmarks/retention_study.py\n"
-        + yaml.safe_dump(plain, sort_keys=False))
-    recipe = proj.load_recipe(TARGET, DEMO_OVERRIDES)
+    proj = create_project(project, example="orders", model=prof.model)
+    if prof is TINY:
+        data = yaml.safe_load((proj.recipes_dir / f"{prof.target}.yaml").read_text())
+        retain = {**data, "env": {**data["env"], "kwargs": {**data["env"]["kwargs"], "house_rules": False}}}
+        head = "# the orders world without house rules: the retention world of benchmarks/retention_study.py\n"
+        overrides = DEMO_OVERRIDES  # the demo's sizes, as the tiny study was first run
+    else:
+        retain = yaml.safe_load((packaged_recipes() / "bfcl-smollm2-sft.yaml").read_text())
+        head = "# BFCL's single-turn categories: the retention world of benchmarks/retention_study.py --model smollm2\n"
+        overrides = []
+    (proj.recipes_dir / f"{prof.retain}.yaml").write_text(head + yaml.safe_dump({**retain, "name": prof.retain},
+                                                                                  sort_keys=False))
+    recipe = proj.load_recipe(prof.target, overrides)
     env = OrdersEnv(**recipe.env.kwargs)
     records = scripted_agent_records(env.tasks("train")[-AGENT_LOGS:] + env.tasks("validation"), seed=0)
     logs = proj.root / "logs" / "agent.jsonl"
@@ -99,9 +147,9 @@ def prepare(project: Path) -> None:
     with Bank(proj.bank_path(recipe), recipe.bank.min_reward) as bank:
         bank.add_file(logs)
     build_index(proj, recipe, progress=True)
-    run_coldstart(proj, recipe, proj.runs_dir / "coldstart", show_progress=True)
-    train(proj, proj.load_recipe(TARGET, [*DEMO_OVERRIDES, "train.algo=sft", "train.steps=48", "train.save_every=48",
-                                          "train.sft.batch=32"]), proj.runs_dir / "sft")
+    if prof.coldstart:
+        run_coldstart(proj, recipe, proj.runs_dir / "coldstart", show_progress=True)
+    train(proj, proj.load_recipe(prof.target, [*overrides, *prof.start_sets]), proj.runs_dir / "sft")
 
 
 def evaluate(recipe: str, checkpoint: str | None, n: int, work: Path, tag: str, log: Path) -> dict[str, bool]:
@@ -124,16 +172,20 @@ def start_scores(a: argparse.Namespace) -> dict:
         return json.loads(f.read_text())
     work = a.work / "start"
     work.mkdir(parents=True, exist_ok=True)
-    log = work / "study.log"
-    out = {"target": evaluate(TARGET, START, a.n, a.project, "start-target", log),
-           "retain": evaluate(RETAIN, START, a.n, a.project, "start-retain", log),
-           "base_target": evaluate(TARGET, None, a.n, a.project, "base-target", log),
-           "base_retain": evaluate(RETAIN, None, a.n, a.project, "base-retain", log)}
+    prof = a.profile
+    todo = {"target": (prof.target, START, "start-target"), "retain": (prof.retain, START, "start-retain")}
+    if a.base:
+        todo |= {"base_target": (prof.target, None, "base-target"), "base_retain": (prof.retain, None, "base-retain")}
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:  # side by side, like the runs
+        futures = {k: pool.submit(evaluate, recipe, ckpt, a.n, a.project, tag, work / f"study-{tag}.log")
+                   for k, (recipe, ckpt, tag) in todo.items()}
+        out = {k: f.result() for k, f in futures.items()}
     f.write_text(json.dumps(out))
     return out
 
 
 def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
+    prof = a.profile
     name, spec = arm.split("=", 1)
     algo, _, extra = spec.partition(":")
     work = a.work / f"{name}-s{seed}"
@@ -144,16 +196,16 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
             rows = [json.loads(x) for x in (work / "runs" / "ev" / "rounds.jsonl").read_text().splitlines()]
             result["candidates"] = [{"round": r["round"], "accepted": r["accepted"],
                                      "target_vs_start": r["validation"]["mean"] - rows[0]["validation"]["mean"],
-                                     "retain_vs_start": r["retention"][RETAIN]["vs_start"]["mean"],
+                                     "retain_vs_start": r["retention"][prof.retain]["vs_start"]["mean"],
                                      "time_split": r.get("time_split")} for r in rows[1:]]
         return result
     if work.exists():
         shutil.rmtree(work)
     shutil.copytree(a.project, work, ignore=shutil.ignore_patterns("evolve-*", "export*", "test-*.jsonl"))
     log = work / "study.log"
-    sets = [*COMMON, *a.set, *(s for s in extra.split(",") if s), f"evolve.seed={seed}",
+    sets = [*prof.common, *a.set, *(s for s in extra.split(",") if s), f"evolve.seed={seed}",
             f"evolve.rollout_budget={a.budget}"]
-    args = ["evolve", "--recipe", TARGET, "--algo", algo, "--run", "ev", "--rounds", "99"]
+    args = ["evolve", "--recipe", prof.target, "--algo", algo, "--run", "ev", "--rounds", "99"]
     for s in sets:
         args += ["--set", s]
     t0 = time.time()
@@ -161,8 +213,8 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
     wall = time.time() - t0
     rows = [json.loads(x) for x in (work / "runs" / "ev" / "rounds.jsonl").read_text().splitlines()]
     final = str(work / "runs" / "ev")
-    target = evaluate(TARGET, final, a.n, work, "target", log)
-    retain = evaluate(RETAIN, final, a.n, work, "retain", log)
+    target = evaluate(prof.target, final, a.n, work, "target", log)
+    retain = evaluate(prof.retain, final, a.n, work, "retain", log)
     result = {"arm": name, "algo": algo, "seed": seed, "sets": sets, "rounds": len(rows) - 1,
               "accepted": sum(r["accepted"] for r in rows[1:]), "incumbent_round": rows[-1]["incumbent_round"],
               "rollouts": rows[-1]["rollouts_total"], "evolve_cpu_s": round(cpu, 1), "evolve_wall_s": round(wall, 1),
@@ -173,24 +225,25 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
               # every candidate the gate saw, on validation tasks: target and retention change against the start
               "candidates": [{"round": r["round"], "accepted": r["accepted"],
                               "target_vs_start": r["validation"]["mean"] - rows[0]["validation"]["mean"],
-                              "retain_vs_start": r["retention"][RETAIN]["vs_start"]["mean"],
+                              "retain_vs_start": r["retention"][prof.retain]["vs_start"]["mean"],
                               "time_split": r.get("time_split")} for r in rows[1:]]}
     done.write_text(json.dumps(result, indent=1))
     return result
 
 
-def table(results: list[dict], start: dict, n: int) -> str:
+def table(results: list[dict], start: dict, val_n: int) -> str:
     pct = lambda iv: f"{100 * iv['mean']:+.1f} [{100 * iv['low']:+.1f}, {100 * iv['high']:+.1f}]"  # noqa: E731
-    lines = [f"Start (SFT's pass): target {100 * rate(start['target']):.1f} %, retention "
-             f"{100 * rate(start['retain']):.1f} %; base policy: target {100 * rate(start['base_target']):.1f} %, "
-             f"retention {100 * rate(start['base_retain']):.1f} % ({n} test tasks each, greedy).", "",
+    base = (f"; base policy: target {100 * rate(start['base_target']):.1f} %, retention "
+            f"{100 * rate(start['base_retain']):.1f} %" if "base_target" in start else "")
+    lines = [f"Start (SFT's pass): target {100 * rate(start['target']):.1f} % of {len(start['target'])}, retention "
+             f"{100 * rate(start['retain']):.1f} % of {len(start['retain'])}{base} (test tasks, greedy).", "",
              "| arm | seed | rounds (accepted; rejected for retention) | rollouts | CPU s | target test % | "
              "− start (points) | retention test % | − start (points) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["arm"], r["seed"])):
         lines.append(f"| {r['arm']} | {r['seed']} | {r['rounds']} ({r['accepted']}; {r['rejected_for_retention']}) "
                      f"| {r['rollouts']} | {r['evolve_cpu_s']:.0f} | {100 * r['target']:.1f} | {pct(r['target_vs_start'])} "
                      f"| {100 * r['retain']:.1f} | {pct(r['retain_vs_start'])} |")
-    lines += ["", "Every candidate the gate judged (validation tasks, greedy, 64 per world; before the gate), "
+    lines += ["", f"Every candidate the gate judged (validation tasks, greedy, {val_n} per world; before the gate), "
               "mean over rounds, and where the rounds' time went:", "",
               "| arm | seed | candidates | target − start | retention − start | rollouts / training steps / "
               "validation / set-up (% of the rounds' time) |", "|---|---|---|---|---|---|"]
@@ -236,6 +289,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["prepare", "run"])
     ap.add_argument("--project", type=Path, required=True)
+    ap.add_argument("--model", choices=sorted(PROFILES), default="tiny", help="Which study (PROFILES).")
+    ap.add_argument("--no-base", dest="base", action="store_false",
+                    help="Do not score the backbone itself on the test splits (the start only).")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/retention_study"))
     ap.add_argument("--arms", nargs="+", default=ARMS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
@@ -245,8 +301,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="A recipe override for every run.")
     a = ap.parse_args()
     a.project = a.project.resolve()
+    a.profile = PROFILES[a.model]
     if a.what == "prepare":
-        prepare(a.project)
+        prepare(a.project, a.profile)
         return
     a.out.mkdir(parents=True, exist_ok=True)
     a.work = (a.out / "work").resolve()
@@ -262,8 +319,8 @@ def main() -> None:
                 print(f"done: {arm} seed {s}", flush=True)
             except Exception as e:  # one failed run must not lose the others
                 print(f"FAILED: {arm} seed {s}: {e}", flush=True)
-    md = table(results, start, a.n)
-    (a.out / "study.json").write_text(json.dumps({"budget": a.budget, "common": COMMON, "sets": a.set, "arms": a.arms,
+    md = table(results, start, next(int(x.split("=")[1]) for x in a.profile.common if x.startswith("evolve.val_n=")))
+    (a.out / "study.json").write_text(json.dumps({"budget": a.budget, "model": a.profile.model, "common": a.profile.common, "sets": a.set, "arms": a.arms,
                                                   "n_test": a.n, "runs": results}, indent=1))
     (a.out / "study.md").write_text(md)
     plot(results, a.out / "study.png")
