@@ -31,7 +31,7 @@ checkers), no cold start (arms without LOPD's composer) and SmolLM2-sized rounds
     LOPD_THREADS=2 python benchmarks/retention_study.py prepare --model smollm2 --project /tmp/rs2
     LOPD_THREADS=1 python benchmarks/retention_study.py run --model smollm2 --project /tmp/rs2 \
         --out benchmarks/results/retention_study_smollm2 --arms sft=sft sft+recovery=sft:evolve.recover_steps=1 \
-        --seeds 0 --jobs 2 --budget 48 -n 64 --no-base
+        --seeds 0 --jobs 2 --budget 48 -n 64 --base retain
 
 What it simplifies: with `--model tiny` (the default), the 1.1M model stands in for SmolLM2-135M
 (one SmolLM2 SFT step costs minutes on 2 cores, an arm of rounds hours); with `--model smollm2`
@@ -155,9 +155,13 @@ def prepare(project: Path, prof: Profile) -> None:
 def evaluate(recipe: str, checkpoint: str | None, n: int, work: Path, tag: str, log: Path) -> dict[str, bool]:
     """{task id: solved} of one model on a recipe's test split (greedy)."""
     eps = work / f"test-{tag}.jsonl"
-    args = ["eval", "--recipe", recipe, "--split", "test", "-n", str(n), "--json", "--rollouts", str(eps)]
-    args += ["--checkpoint", checkpoint] if checkpoint else ["--backbone"]
-    out, _ = lopd(args, work, log)
+    out_file = log.with_suffix(".out")
+    if eps.exists() and out_file.exists() and len(eps.read_text().splitlines()) == n:  # finished before
+        out = out_file.read_text()
+    else:
+        args = ["eval", "--recipe", recipe, "--split", "test", "-n", str(n), "--json", "--rollouts", str(eps)]
+        args += ["--checkpoint", checkpoint] if checkpoint else ["--backbone"]
+        out, _ = lopd(args, work, log)
     thr = json.loads(out)["success_threshold"]
     return {(e := json.loads(line))["task_id"]: e["reward"] >= thr for line in eps.read_text().splitlines()}
 
@@ -168,18 +172,22 @@ def rate(x: dict[str, bool]) -> float:
 
 def start_scores(a: argparse.Namespace) -> dict:
     f = a.out / "start.json"
-    if f.exists():
-        return json.loads(f.read_text())
+    done = json.loads(f.read_text()) if f.exists() else {}
     work = a.work / "start"
     work.mkdir(parents=True, exist_ok=True)
     prof = a.profile
     todo = {"target": (prof.target, START, "start-target"), "retain": (prof.retain, START, "start-retain")}
-    if a.base:
-        todo |= {"base_target": (prof.target, None, "base-target"), "base_retain": (prof.retain, None, "base-retain")}
+    if a.base in ("both", "retain"):
+        todo["base_retain"] = (prof.retain, None, "base-retain")
+    if a.base == "both":
+        todo["base_target"] = (prof.target, None, "base-target")
+    todo = {k: v for k, v in todo.items() if k not in done}
+    if not todo:
+        return done
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:  # side by side, like the runs
         futures = {k: pool.submit(evaluate, recipe, ckpt, a.n, a.project, tag, work / f"study-{tag}.log")
                    for k, (recipe, ckpt, tag) in todo.items()}
-        out = {k: f.result() for k, f in futures.items()}
+        out = {**done, **{k: f.result() for k, f in futures.items()}}
     f.write_text(json.dumps(out))
     return out
 
@@ -233,8 +241,9 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
 
 def table(results: list[dict], start: dict, val_n: int) -> str:
     pct = lambda iv: f"{100 * iv['mean']:+.1f} [{100 * iv['low']:+.1f}, {100 * iv['high']:+.1f}]"  # noqa: E731
-    base = (f"; base policy: target {100 * rate(start['base_target']):.1f} %, retention "
-            f"{100 * rate(start['base_retain']):.1f} %" if "base_target" in start else "")
+    base = "".join(f"; base model, {what}: {100 * rate(start[k]):.1f} %" + (
+        f" (start − base {pct(paired(start[k[5:]], start[k]))})" if k == "base_retain" else "")
+        for k, what in (("base_target", "target"), ("base_retain", "retention")) if k in start)
     lines = [f"Start (SFT's pass): target {100 * rate(start['target']):.1f} % of {len(start['target'])}, retention "
              f"{100 * rate(start['retain']):.1f} % of {len(start['retain'])}{base} (test tasks, greedy).", "",
              "| arm | seed | rounds (accepted; rejected for retention) | rollouts | CPU s | target test % | "
@@ -290,8 +299,8 @@ def main() -> None:
     ap.add_argument("what", choices=["prepare", "run"])
     ap.add_argument("--project", type=Path, required=True)
     ap.add_argument("--model", choices=sorted(PROFILES), default="tiny", help="Which study (PROFILES).")
-    ap.add_argument("--no-base", dest="base", action="store_false",
-                    help="Do not score the backbone itself on the test splits (the start only).")
+    ap.add_argument("--base", choices=["both", "retain", "none"], default="both",
+                    help="Where the backbone itself is scored too: both test splits, the retention world's, none.")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/retention_study"))
     ap.add_argument("--arms", nargs="+", default=ARMS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
