@@ -156,7 +156,8 @@ def evaluate(recipe: str, checkpoint: str | None, n: int, work: Path, tag: str, 
     """{task id: solved} of one model on a recipe's test split (greedy)."""
     eps = work / f"test-{tag}.jsonl"
     out_file = log.with_suffix(".out")
-    if eps.exists() and out_file.exists() and len(eps.read_text().splitlines()) == n:  # finished before
+    if eps.exists() and out_file.exists() and _finished(json.loads(out_file.read_text()), recipe, n) \
+            and len(eps.read_text().splitlines()) == n:
         out = out_file.read_text()
     else:
         args = ["eval", "--recipe", recipe, "--split", "test", "-n", str(n), "--json", "--rollouts", str(eps)]
@@ -164,6 +165,11 @@ def evaluate(recipe: str, checkpoint: str | None, n: int, work: Path, tag: str, 
         out, _ = lopd(args, work, log)
     thr = json.loads(out)["success_threshold"]
     return {(e := json.loads(line))["task_id"]: e["reward"] >= thr for line in eps.read_text().splitlines()}
+
+
+def _finished(out: dict, recipe: str, n: int) -> bool:
+    """An evaluation's JSON from before is this one: same recipe, split and number of tasks."""
+    return Path(out.get("recipe", "")).stem == recipe and out.get("split") == "test" and out.get("n") == n
 
 
 def rate(x: dict[str, bool]) -> float:
