@@ -21,7 +21,10 @@ is NAME=ALGO[:key=value,...] (default: sft, sft+recovery, lopd, sdpo, grpo). Wri
 (per arm and seed: rounds, rollouts, CPU seconds, target and retention test success and their
 paired change against the start), OUT/study.md (the table) and OUT/study.png (target change
 against retention change, one point per run, the arm's mean as a cross). Runs already finished
-under OUT/work are reused.
+under OUT/work are reused, and so are the runs of earlier launches in OUT/study.json (same model,
+rounds, budget and test size): a study can grow by a few arms per launch. start.json keeps the
+starting model's sha256; a launch whose start differs stops (a start.json from before the hash
+was kept is checked once by scoring the start's target test split again).
 
 `--model smollm2` is the same study on SmolLM2-135M-Instruct, the issue's real model: the project
 is `lopd init --example orders --model smollm2-135m-instruct` with the same logs, the retention
@@ -43,6 +46,7 @@ scored here.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -176,12 +180,34 @@ def rate(x: dict[str, bool]) -> float:
     return sum(x.values()) / len(x)
 
 
+def start_fingerprint(project: Path) -> str:
+    """sha256 of the starting model's weights: scores from another launch pair with this start only if equal."""
+    h, n = hashlib.sha256(), 0
+    for f in sorted((project / START / "checkpoints" / "latest").resolve().rglob("*.safetensors")):
+        h.update(f.read_bytes())
+        n += 1
+    if not n:
+        sys.exit(f"{project / START}: no checkpoint weights (run `prepare` first)")
+    return h.hexdigest()
+
+
 def start_scores(a: argparse.Namespace) -> dict:
     f = a.out / "start.json"
     done = json.loads(f.read_text()) if f.exists() else {}
     work = a.work / "start"
     work.mkdir(parents=True, exist_ok=True)
     prof = a.profile
+    sha = start_fingerprint(a.project)
+    if done.get("start_sha256") not in (None, sha):
+        sys.exit(f"{f}: scored another starting model (start_sha256 {done['start_sha256'][:12]}, "
+                 f"{a.project / START} is {sha[:12]}); use another --out or delete {f}")
+    if done and "start_sha256" not in done:  # scored before the fingerprint was kept: score the target again
+        again = evaluate(prof.target, START, a.n, a.project, "start-target-again", work / "study-start-target-again.log")
+        if again != done["target"]:
+            sys.exit(f"{f}: {a.project / START} is not the start these scores are of (its target test outcomes "
+                     f"differ on {sum(again[k] != done['target'].get(k) for k in again)} tasks); use another --out")
+        done["start_sha256"] = sha
+        f.write_text(json.dumps(done))
     todo = {"target": (prof.target, START, "start-target"), "retain": (prof.retain, START, "start-retain")}
     if a.base in ("both", "retain"):
         todo["base_retain"] = (prof.retain, None, "base-retain")
@@ -193,7 +219,7 @@ def start_scores(a: argparse.Namespace) -> dict:
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:  # side by side, like the runs
         futures = {k: pool.submit(evaluate, recipe, ckpt, a.n, a.project, tag, work / f"study-{tag}.log")
                    for k, (recipe, ckpt, tag) in todo.items()}
-        out = {**done, **{k: f.result() for k, f in futures.items()}}
+        out = {**done, **{k: f.result() for k, f in futures.items()}, "start_sha256": sha}
     f.write_text(json.dumps(out))
     return out
 
@@ -243,6 +269,21 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
                               "time_split": r.get("time_split")} for r in rows[1:]]}
     done.write_text(json.dumps(result, indent=1))
     return result
+
+
+def earlier_runs(a: argparse.Namespace, launched: set[tuple[str, int]]) -> list[dict]:
+    """Runs in OUT/study.json from earlier launches of the same study (same model, rounds, budget,
+    test size and overrides; start.json has checked the start) that this launch did not run again."""
+    f = a.out / "study.json"
+    if not f.exists():
+        return []
+    old = json.loads(f.read_text())
+    same = (old.get("model"), old.get("common"), old.get("budget"), old.get("n_test"), old.get("sets")) == \
+        (a.profile.model, a.profile.common, a.budget, a.n, a.set)
+    if not same:
+        print(f"{f}: an earlier study with other settings; its runs are not kept", flush=True)
+        return []
+    return [r for r in old["runs"] if (r["arm"], r["seed"]) not in launched]
 
 
 def table(results: list[dict], start: dict, val_n: int) -> str:
@@ -334,8 +375,10 @@ def main() -> None:
                 print(f"done: {arm} seed {s}", flush=True)
             except Exception as e:  # one failed run must not lose the others
                 print(f"FAILED: {arm} seed {s}: {e}", flush=True)
+    results += earlier_runs(a, {(arm.split("=", 1)[0], s) for arm, s in jobs})
     md = table(results, start, next(int(x.split("=")[1]) for x in a.profile.common if x.startswith("evolve.val_n=")))
-    (a.out / "study.json").write_text(json.dumps({"budget": a.budget, "model": a.profile.model, "common": a.profile.common, "sets": a.set, "arms": a.arms,
+    (a.out / "study.json").write_text(json.dumps({"budget": a.budget, "model": a.profile.model, "common": a.profile.common, "sets": a.set,
+                                                  "arms": sorted({r["arm"] for r in results}),
                                                   "n_test": a.n, "runs": results}, indent=1))
     (a.out / "study.md").write_text(md)
     plot(results, a.out / "study.png")
