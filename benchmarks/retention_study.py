@@ -16,7 +16,9 @@ learning them can cost what the model did there: forgetting is possible here by 
 
 `run` evolves each arm in its own copy of the project, from runs/sft (`train.init_from`,
 `evolve.start=incumbent`), with `evolve.retain=[own-rules]`, until the next round would exceed
-the budget; then `lopd eval` of the start and of the final incumbent on both test splits. An arm
+the budget; then `lopd eval` of the start and of the final incumbent on both test splits (an
+incumbent that is still the start keeps the start's scores: greedy decoding gives the same
+outcomes, as the SmolLM2 runs that re-scored it saw three times). An arm
 is NAME=ALGO[:key=value,...] (default: sft, sft+recovery, lopd, sdpo, grpo). Writes OUT/study.json
 (per arm and seed: rounds, rollouts, CPU seconds, target and retention test success and their
 paired change against the start), OUT/study.md (the table) and OUT/study.png (target change
@@ -253,8 +255,11 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, start: dict) -> dict:
     wall = time.time() - t0
     rows = [json.loads(x) for x in (work / "runs" / "ev" / "rounds.jsonl").read_text().splitlines()]
     final = str(work / "runs" / "ev")
-    target = evaluate(prof.target, final, a.n, work, "target", log)
-    retain = evaluate(prof.retain, final, a.n, work, "retain", log)
+    if rows[-1]["incumbent_round"] == 0:  # every candidate rejected: the incumbent is the start, already scored
+        target, retain = start["target"], start["retain"]
+    else:
+        target = evaluate(prof.target, final, a.n, work, "target", log)
+        retain = evaluate(prof.retain, final, a.n, work, "retain", log)
     result = {"arm": name, "algo": algo, "seed": seed, "sets": sets, "rounds": len(rows) - 1,
               "accepted": sum(r["accepted"] for r in rows[1:]), "incumbent_round": rows[-1]["incumbent_round"],
               "rollouts": rows[-1]["rollouts_total"], "evolve_cpu_s": round(cpu, 1), "evolve_wall_s": round(wall, 1),
