@@ -203,7 +203,7 @@ def start_scores(a: argparse.Namespace) -> dict:
     if done.get("start_sha256") not in (None, sha):
         sys.exit(f"{f}: scored another starting model (start_sha256 {done['start_sha256'][:12]}, "
                  f"{a.project / START} is {sha[:12]}); use another --out or delete {f}")
-    if done and "start_sha256" not in done:  # scored before the fingerprint was kept: score the target again
+    if "target" in done and "start_sha256" not in done:  # scored before the hash was kept: score the target again
         again = evaluate(prof.target, START, a.n, a.project, "start-target-again", work / "study-start-target-again.log")
         if again != done["target"]:
             sys.exit(f"{f}: {a.project / START} is not the start these scores are of (its target test outcomes "
