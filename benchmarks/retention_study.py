@@ -2,8 +2,9 @@
 seeds, the same rollout budget; each final incumbent scored on the target world's test tasks and
 on the retention world's, paired against the starting model.
 
-    LOPD_THREADS=1 python benchmarks/retention_study.py prepare --project /tmp/rs
-    LOPD_THREADS=1 python benchmarks/retention_study.py run --project /tmp/rs \
+    PROJECT=$(mktemp -d)/rs   # any empty folder outside the repo
+    LOPD_THREADS=1 python benchmarks/retention_study.py prepare --project "$PROJECT"
+    LOPD_THREADS=1 python benchmarks/retention_study.py run --project "$PROJECT" \
         --out benchmarks/results/retention_study --seeds 0 1 --jobs 2 --budget 768
 
 `prepare` makes the project: `lopd init --example orders --model tiny` (the shipped base policy),
@@ -33,8 +34,9 @@ is `lopd init --example orders --model smollm2-135m-instruct` with the same logs
 recipe `bfcl` (packaged `bfcl-smollm2-sft.yaml`: BFCL's five single-turn categories, official
 checkers), no cold start (arms without LOPD's composer) and SmolLM2-sized rounds (SMOLLM2 below):
 
-    LOPD_THREADS=2 python benchmarks/retention_study.py prepare --model smollm2 --project /tmp/rs2
-    LOPD_THREADS=1 python benchmarks/retention_study.py run --model smollm2 --project /tmp/rs2 \
+    PROJECT=$(mktemp -d)/rs2
+    LOPD_THREADS=2 python benchmarks/retention_study.py prepare --model smollm2 --project "$PROJECT"
+    LOPD_THREADS=1 python benchmarks/retention_study.py run --model smollm2 --project "$PROJECT" \
         --out benchmarks/results/retention_study_smollm2 --arms sft=sft sft+recovery=sft:evolve.recover_steps=1 \
         --seeds 0 --jobs 2 --budget 48 -n 64 --base retain
 
