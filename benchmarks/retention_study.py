@@ -32,10 +32,12 @@ was kept is checked once by scoring the start's target test split again).
 `--model smollm2` is the same study on SmolLM2-135M-Instruct, the issue's real model: the project
 is `lopd init --example orders --model smollm2-135m-instruct` with the same logs, the retention
 recipe `bfcl` (packaged `bfcl-smollm2-sft.yaml`: BFCL's five single-turn categories, official
-checkers), no cold start (arms without LOPD's composer) and SmolLM2-sized rounds (SMOLLM2 below):
+checkers), no cold start in `prepare` and SmolLM2-sized rounds (SMOLLM2 below). `coldstart` then
+adds LOPD's composer, trained for the teacher the lopd arm has: the starting model (`train.teacher=init`):
 
     PROJECT=$(mktemp -d)/rs2
     LOPD_THREADS=2 python benchmarks/retention_study.py prepare --model smollm2 --project "$PROJECT"
+    LOPD_THREADS=1 python benchmarks/retention_study.py coldstart --model smollm2 --project "$PROJECT"
     LOPD_THREADS=1 python benchmarks/retention_study.py run --model smollm2 --project "$PROJECT" \
         --out benchmarks/results/retention_study_smollm2 --arms sft=sft sft+recovery=sft:evolve.recover_steps=1 \
         --seeds 0 --jobs 2 --budget 48 -n 64 --base retain
@@ -103,6 +105,8 @@ SMOLLM2 = Profile(
             "train.grpo.group_size=4", "train.sdpo.group_size=4", "train.lr=1e-3"],
     coldstart=False)
 PROFILES = {"tiny": TINY, "smollm2": SMOLLM2}
+# `coldstart` (SmolLM2): the composer is trained for the teacher the lopd arm uses, the starting model
+COLDSTART_SETS = ["train.teacher=init", f"train.init_from={START}"]
 
 
 def lopd(args: list[str], cwd: Path, log: Path) -> tuple[str, float]:
@@ -158,6 +162,21 @@ def prepare(project: Path, prof: Profile) -> None:
     if prof.coldstart:
         run_coldstart(proj, recipe, proj.runs_dir / "coldstart", show_progress=True)
     train(proj, proj.load_recipe(prof.target, [*overrides, *prof.start_sets]), proj.runs_dir / "sft")
+
+
+def coldstart(project: Path, prof: Profile) -> None:
+    """LOPD's composer for a project `prepare` made without one: `lopd coldstart` with the target
+    recipe's own cold-start settings, its teacher the starting model (train.teacher=init of runs/sft),
+    the teacher the lopd arm distils from (COLDSTART_SETS); it ends with the check on held-out
+    validation successes: does that teacher gain from the latents?"""
+    if not (project / START / "checkpoints").is_dir():
+        sys.exit(f"{project / START}: no starting model (run `prepare` first)")
+    args = ["coldstart", "--recipe", prof.target, "--run", "coldstart", "--json"]
+    for s in COLDSTART_SETS:
+        args += ["--set", s]
+    out, cpu = lopd(args, project, project / "logs" / "coldstart.log")
+    print(out, end="")
+    print(f"cold start: {cpu:.0f} CPU s; log {project / 'logs' / 'coldstart.log'}", flush=True)
 
 
 def evaluate(recipe: str, checkpoint: str | None, n: int, work: Path, tag: str, log: Path) -> dict[str, bool]:
@@ -350,7 +369,7 @@ def plot(results: list[dict], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["prepare", "run"])
+    ap.add_argument("what", choices=["prepare", "coldstart", "run"])
     ap.add_argument("--project", type=Path, required=True)
     ap.add_argument("--model", choices=sorted(PROFILES), default="tiny", help="Which study (PROFILES).")
     ap.add_argument("--base", choices=["both", "retain", "none"], default="both",
@@ -367,6 +386,9 @@ def main() -> None:
     a.profile = PROFILES[a.model]
     if a.what == "prepare":
         prepare(a.project, a.profile)
+        return
+    if a.what == "coldstart":
+        coldstart(a.project, a.profile)
         return
     a.out.mkdir(parents=True, exist_ok=True)
     a.work = (a.out / "work").resolve()
