@@ -42,6 +42,12 @@ adds LOPD's composer, trained for the teacher the lopd arm has: the starting mod
         --out benchmarks/results/retention_study_smollm2 --arms sft=sft sft+recovery=sft:evolve.recover_steps=1 \
         --seeds 0 --jobs 2 --budget 48 -n 64 --base retain
 
+`retest` scores the target world's test split again at a larger n for the start and every final
+incumbent in OUT/study.json, paired (OUT/retest-nN.json and .md; the issue asks n >= 128):
+
+    LOPD_THREADS=1 python benchmarks/retention_study.py retest --model smollm2 --project "$PROJECT" \
+        --out benchmarks/results/retention_study_smollm2 -n 128 --jobs 2
+
 What it simplifies: with `--model tiny` (the default), the 1.1M model stands in for SmolLM2-135M
 (one SmolLM2 SFT step costs minutes on 2 cores, an arm of rounds hours); with `--model smollm2`
 the rounds are a few steps and the test splits 64 tasks, what this CPU allows. Evolve's own gate
@@ -367,9 +373,73 @@ def plot(results: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def retest(a: argparse.Namespace) -> None:
+    """The target world's test split again at a larger n (`-n`), for the start and every final
+    incumbent in OUT/study.json: OUT/retest-nN.json and .md. An incumbent that is still the start
+    takes the start's outcomes; a run whose work folder is gone is listed as not retested. The
+    first tasks are those the study scored, so each model's outcomes there are checked against its
+    earlier ones (greedy decoding: they should agree)."""
+    prof, out = a.profile, a.out
+    study = json.loads((out / "study.json").read_text())
+    first = json.loads((out / "start.json").read_text())
+    sha = start_fingerprint(a.project)
+    if first.get("start_sha256") != sha:
+        sys.exit(f"{out / 'start.json'}: another starting model than {a.project / START}; use its own project")
+    tag = f"target-n{a.n}"
+
+    def earlier(path: Path) -> dict[str, bool]:
+        """The study's outcomes of one incumbent on the first tasks, at the target recipe's threshold."""
+        if not path.exists():
+            return {}
+        return {(e := json.loads(x))["task_id"]: e["reward"] >= thr for x in path.read_text().splitlines()}
+
+    def score(r: dict) -> dict[str, bool] | None:
+        work = a.work / f"{r['arm']}-s{r['seed']}"
+        if not (work / "runs" / "ev").exists():
+            return None
+        return evaluate(prof.target, str(work / "runs" / "ev"), a.n, work, tag, work / f"study-{tag}.log")
+
+    (a.work / "start").mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:  # the start and the moved incumbents side by side
+        start_job = pool.submit(evaluate, prof.target, START, a.n, a.project, f"start-{tag}",
+                                a.work / "start" / f"study-start-{tag}.log")
+        jobs = [None if r["incumbent_round"] == 0 else pool.submit(score, r) for r in study["runs"]]
+        start = start_job.result()
+        scored = [start if j is None else j.result() for j in jobs]
+    thr = json.loads((a.work / "start" / f"study-start-{tag}.out").read_text())["success_threshold"]
+    start_flips = sum(start[k] != v for k, v in first["target"].items())
+    rows = []
+    for r, got in zip(study["runs"], scored):
+        row = {"arm": r["arm"], "seed": r["seed"], "incumbent_round": r["incumbent_round"], "retested": got is not None}
+        if got is not None:
+            before = {} if r["incumbent_round"] == 0 else \
+                earlier(a.work / f"{r['arm']}-s{r['seed']}" / "test-target.jsonl")
+            row |= {"target": rate(got), "target_vs_start": paired(got, start),
+                    "up": sum(got[t] and not start[t] for t in got), "down": sum(start[t] and not got[t] for t in got),
+                    "flips_against_n_test": sum(got[k] != v for k, v in before.items())}
+        rows.append(row)
+    (out / f"retest-n{a.n}.json").write_text(json.dumps({"n": a.n, "n_test": study["n_test"], "start": rate(start),
+                                                         "start_flips_against_n_test": start_flips, "runs": rows}, indent=1))
+    pct = lambda iv: f"{100 * iv['mean']:+.1f} [{100 * iv['low']:+.1f}, {100 * iv['high']:+.1f}]"  # noqa: E731
+    lines = [f"Target test split at n = {a.n} (the study scored the first {study['n_test']}): start "
+             f"{100 * rate(start):.1f} % ({start_flips} of its first {study['n_test']} outcomes differ from the study's).", "",
+             "| arm | seed | incumbent round | target test % | − start (points) | tasks up / down | "
+             f"outcomes that differ from the first {study['n_test']} |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["arm"], r["seed"])):
+        if not r["retested"]:
+            lines.append(f"| {r['arm']} | {r['seed']} | {r['incumbent_round']} | not retested (its work folder is gone) | | | |")
+            continue
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['incumbent_round']} | {100 * r['target']:.1f} | "
+                     f"{pct(r['target_vs_start'])} | {r['up']} / {r['down']} | "
+                     + ("(the start)" if r["incumbent_round"] == 0 else str(r["flips_against_n_test"])) + " |")
+    md = "\n".join(lines) + "\n"
+    (out / f"retest-n{a.n}.md").write_text(md)
+    print(md)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["prepare", "coldstart", "run"])
+    ap.add_argument("what", choices=["prepare", "coldstart", "run", "retest"])
     ap.add_argument("--project", type=Path, required=True)
     ap.add_argument("--model", choices=sorted(PROFILES), default="tiny", help="Which study (PROFILES).")
     ap.add_argument("--base", choices=["both", "retain", "none"], default="both",
@@ -393,6 +463,9 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     a.work = (a.out / "work").resolve()
     a.work.mkdir(parents=True, exist_ok=True)
+    if a.what == "retest":
+        retest(a)
+        return
     start = start_scores(a)
     jobs = [(arm, s) for s in a.seeds for arm in a.arms]
     results = []
