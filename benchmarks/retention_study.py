@@ -380,6 +380,8 @@ def retest(a: argparse.Namespace) -> None:
     first tasks are those the study scored, so each model's outcomes there are checked against its
     earlier ones (greedy decoding: they should agree)."""
     prof, out = a.profile, a.out
+    if not (out / "study.json").exists() or not (out / "start.json").exists():
+        sys.exit(f"{out}: no study.json and start.json here (run `run` first)")
     study = json.loads((out / "study.json").read_text())
     first = json.loads((out / "start.json").read_text())
     sha = start_fingerprint(a.project)
