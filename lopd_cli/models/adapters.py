@@ -10,12 +10,14 @@ Views (context managers; each restores what was active before):
 
     use_student(model)    the student's forward (student adapter, or the bare base when full FT)
     use_encoder(model)    the composer encoder's forward
-    teacher_view(model)   every adapter skipped: the frozen backbone θ̄ (`model.disable_adapter()`)
+    teacher_view(model)   every adapter skipped: the frozen backbone θ̄ (adapter layers disabled)
 
 Which parameters receive gradients is set separately and explicitly with `set_trainable`: peft's
 `set_adapter` flips `requires_grad` as a side effect, so the views save and restore those flags
-and switching views never changes what an optimizer trains. Nothing is ever merged into the base
-in place; exporting merges a copy.
+and switching views never changes what an optimizer trains. The views switch the tuner layers
+(`model.base_model`), not the PeftModel: from peft 0.22 `PeftModel.set_adapter` and
+`disable_adapter()` reshard every FSDP2 unit, which would undo the whole roots a sharded step
+gathers (train/sharding.py). Nothing is ever merged into the base in place; exporting merges a copy.
 """
 
 from __future__ import annotations
@@ -119,13 +121,27 @@ def _keep_grad_flags(model) -> Iterator:
 def _set_active(model, name: str) -> None:
     """Activate one adapter without peft's side effect on requires_grad."""
     with _keep_grad_flags(model):
-        model.set_adapter(name)
+        model.base_model.set_adapter(name)
+    model.active_adapter = name
+
+
+def _layers_enabled(model) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) and not m.disable_adapters for m in model.modules())
 
 
 @contextmanager
 def _adapters_disabled(model) -> Iterator:
-    with _keep_grad_flags(model), model.disable_adapter():
-        yield model
+    """Every adapter layer skipped; re-enabled on exit unless they were already disabled (nested)."""
+    enabled = _layers_enabled(model)
+    with _keep_grad_flags(model):
+        model.base_model.disable_adapter_layers()
+        try:
+            yield model
+        finally:
+            if enabled:
+                model.base_model.enable_adapter_layers()
 
 
 @contextmanager
