@@ -58,13 +58,16 @@ scored here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -115,16 +118,41 @@ PROFILES = {"tiny": TINY, "smollm2": SMOLLM2}
 COLDSTART_SETS = ["train.teacher=init", f"train.init_from={START}"]
 
 
+LIVE: set[int] = set()  # process groups of the lopd runs in flight
+STOPPING = threading.Event()
+
+
+def stop(signum: int, _frame) -> None:
+    """SIGTERM/SIGINT: stop the lopd runs in flight too (left alone they run on, orphaned, holding the
+    CPU), launch no more, and exit with one line. Finished runs and evaluations are kept."""
+    STOPPING.set()
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        for pg in list(LIVE):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pg, sig)
+        deadline = time.time() + wait_s
+        while LIVE and time.time() < deadline:
+            time.sleep(0.1)
+    sys.exit(f"retention_study: stopped by {signal.Signals(signum).name}; its lopd runs were stopped too. "
+             "Finished runs and evaluations are kept; unfinished ones start again on the next launch.")
+
+
 def lopd(args: list[str], cwd: Path, log: Path) -> tuple[str, float]:
     """Run the CLI in `cwd`: (stdout, CPU seconds of that process and its children)."""
+    if STOPPING.is_set():
+        raise RuntimeError("stopped")
     env = {**os.environ, "LOPD_THREADS": os.environ.get("LOPD_THREADS", "1")}
     out = log.with_suffix(".out")
     with out.open("w") as fo, log.open("a") as fe:
         fe.write(f"$ lopd {' '.join(args)}\n")
         fe.flush()
         proc = subprocess.Popen([sys.executable, "-m", "lopd_cli", *args], cwd=cwd, env=env, text=True,
-                                stdout=fo, stderr=fe)
-        _, status, usage = os.wait4(proc.pid, 0)
+                                stdout=fo, stderr=fe, start_new_session=True)  # its own group: `stop` ends it whole
+        LIVE.add(proc.pid)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            LIVE.discard(proc.pid)
     code = os.waitstatus_to_exitcode(status)
     if code:
         raise RuntimeError(f"lopd {' '.join(args[:2])} in {cwd} failed (exit {code}); see {log}")
@@ -462,6 +490,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="Runs side by side (give each LOPD_THREADS=1).")
     ap.add_argument("--set", action="append", default=[], help="A recipe override for every run.")
     a = ap.parse_args()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     a.project = a.project.resolve()
     a.profile = PROFILES[a.model]
     if a.what == "prepare":
@@ -470,12 +500,11 @@ def main() -> None:
     if a.what == "coldstart":
         coldstart(a.project, a.profile)
         return
-    a.out.mkdir(parents=True, exist_ok=True)
     a.work = (a.out / "work").resolve()
-    a.work.mkdir(parents=True, exist_ok=True)
-    if a.what == "retest":
+    if a.what == "retest":  # reads a finished study: makes no folder before it has checked OUT
         retest(a)
         return
+    a.work.mkdir(parents=True, exist_ok=True)
     start = start_scores(a)
     jobs = [(arm, s) for s in a.seeds for arm in a.arms]
     results = []

@@ -283,3 +283,21 @@ def test_paired_success_matches_tasks_and_counts_discordant_ones(tmp_path):
     bad.write_text('{"task_id": "t1"}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:1: not a rollout record"):
         paired_success.main([str(base), str(bad)])
+
+
+def test_retention_sign_test_is_the_exact_two_sided_binomial():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import retention_study as rs
+
+    assert rs.sign_test(5, 0) == rs.sign_test(0, 5) == pytest.approx(2 / 2**5)
+    assert rs.sign_test(24, 10) == pytest.approx(0.0243065, abs=1e-6)  # 2·P(X ≤ 10), X ~ Bin(34, 1/2)
+    assert rs.sign_test(7, 4) == pytest.approx(0.548828125)
+    assert rs.sign_test(10, 10) == rs.sign_test(0, 0) == 1.0
+
+
+def test_retention_retest_without_a_study_makes_no_folder(tmp_path):
+    out = tmp_path / "none"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "retention_study.py"), "retest",
+                          "--project", str(tmp_path / "p"), "--out", str(out)], capture_output=True, text=True)
+    assert res.returncode == 1 and res.stderr.strip() == f"{out}: no study.json and start.json here (run `run` first)"
+    assert not out.exists()
