@@ -1,5 +1,5 @@
 # lopd set-up, demo and tests. `make demo` and `make test` are the README's two commands.
-# Everything installs into .venv with pip; constraints.txt pins the CPU torch wheel.
+# Everything installs into .venv with pip; constraints.txt pins the CPU torch wheel and peft.
 
 PY ?= python3
 VENV ?= .venv
