@@ -43,10 +43,11 @@ adds LOPD's composer, trained for the teacher the lopd arm has: the starting mod
         --seeds 0 --jobs 2 --budget 48 -n 64 --base retain
 
 `retest` scores the target world's test split again at a larger n for the start and every final
-incumbent in OUT/study.json, paired (OUT/retest-nN.json and .md; the issue asks n >= 128):
+incumbent in OUT/study.json, paired (OUT/retest-nN.json and .md; the issue asks n >= 128);
+`--world retain` does the same on the retention world's test split (OUT/retest-retain-nN.*):
 
     LOPD_THREADS=1 python benchmarks/retention_study.py retest --model smollm2 --project "$PROJECT" \
-        --out benchmarks/results/retention_study_smollm2 -n 128 --jobs 2
+        --out benchmarks/results/retention_study_smollm2 -n 128 --jobs 2 [--world retain]
 
 What it simplifies: with `--model tiny` (the default), the 1.1M model stands in for SmolLM2-135M
 (one SmolLM2 SFT step costs minutes on 2 cores, an arm of rounds hours); with `--model smollm2`
@@ -409,8 +410,9 @@ def sign_test(up: int, down: int) -> float:
 
 
 def retest(a: argparse.Namespace) -> None:
-    """The target world's test split again at a larger n (`-n`), for the start and every final
-    incumbent in OUT/study.json: OUT/retest-nN.json and .md. An incumbent that is still the start
+    """One world's test split (`--world`: target or retain) again at a larger n (`-n`), for the start
+    and every final incumbent in OUT/study.json: OUT/retest-nN.json and .md for the target,
+    OUT/retest-retain-nN.* for the retention world. An incumbent that is still the start
     takes the start's outcomes; a run whose work folder is gone is listed as not retested. The
     first tasks are those the study scored, so each model's outcomes there are checked against its
     earlier ones (greedy decoding: they should agree)."""
@@ -422,10 +424,13 @@ def retest(a: argparse.Namespace) -> None:
     sha = start_fingerprint(a.project)
     if first.get("start_sha256") != sha:
         sys.exit(f"{out / 'start.json'}: another starting model than {a.project / START}; use its own project")
-    tag = f"target-n{a.n}"
+    world = a.world
+    recipe = prof.target if world == "target" else prof.retain
+    tag = f"{world}-n{a.n}"
+    name = f"retest-n{a.n}" if world == "target" else f"retest-{world}-n{a.n}"
 
     def earlier(path: Path) -> dict[str, bool]:
-        """The study's outcomes of one incumbent on the first tasks, at the target recipe's threshold."""
+        """The study's outcomes of one incumbent on the first tasks, at the world's threshold."""
         if not path.exists():
             return {}
         return {(e := json.loads(x))["task_id"]: e["reward"] >= thr for x in path.read_text().splitlines()}
@@ -434,44 +439,45 @@ def retest(a: argparse.Namespace) -> None:
         work = a.work / f"{r['arm']}-s{r['seed']}"
         if not (work / "runs" / "ev").exists():
             return None
-        return evaluate(prof.target, str(work / "runs" / "ev"), a.n, work, tag, work / f"study-{tag}.log")
+        return evaluate(recipe, str(work / "runs" / "ev"), a.n, work, tag, work / f"study-{tag}.log")
 
     (a.work / "start").mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:  # the start and the moved incumbents side by side
-        start_job = pool.submit(evaluate, prof.target, START, a.n, a.project, f"start-{tag}",
+        start_job = pool.submit(evaluate, recipe, START, a.n, a.project, f"start-{tag}",
                                 a.work / "start" / f"study-start-{tag}.log")
         jobs = [None if r["incumbent_round"] == 0 else pool.submit(score, r) for r in study["runs"]]
         start = start_job.result()
         scored = [start if j is None else j.result() for j in jobs]
     thr = json.loads((a.work / "start" / f"study-start-{tag}.out").read_text())["success_threshold"]
-    start_flips = sum(start[k] != v for k, v in first["target"].items())
+    start_flips = sum(start[k] != v for k, v in first[world].items())
     rows = []
     for r, got in zip(study["runs"], scored):
         row = {"arm": r["arm"], "seed": r["seed"], "incumbent_round": r["incumbent_round"], "retested": got is not None}
         if got is not None:
             before = {} if r["incumbent_round"] == 0 else \
-                earlier(a.work / f"{r['arm']}-s{r['seed']}" / "test-target.jsonl")
-            row |= {"target": rate(got), "target_vs_start": paired(got, start),
+                earlier(a.work / f"{r['arm']}-s{r['seed']}" / f"test-{world}.jsonl")
+            row |= {world: rate(got), f"{world}_vs_start": paired(got, start),
                     "up": sum(got[t] and not start[t] for t in got), "down": sum(start[t] and not got[t] for t in got),
                     "flips_against_n_test": sum(got[k] != v for k, v in before.items())}
             row["sign_test_p"] = sign_test(row["up"], row["down"])
         rows.append(row)
-    (out / f"retest-n{a.n}.json").write_text(json.dumps({"n": a.n, "n_test": study["n_test"], "start": rate(start),
+    (out / f"{name}.json").write_text(json.dumps({"n": a.n, "n_test": study["n_test"], "start": rate(start),
                                                          "start_flips_against_n_test": start_flips, "runs": rows}, indent=1))
     pct = lambda iv: f"{100 * iv['mean']:+.1f} [{100 * iv['low']:+.1f}, {100 * iv['high']:+.1f}]"  # noqa: E731
-    lines = [f"Target test split at n = {a.n} (the study scored the first {study['n_test']}): start "
+    title = "Target test split" if world == "target" else f"Retention world ({recipe}) test split"
+    lines = [f"{title} at n = {a.n} (the study scored the first {study['n_test']}): start "
              f"{100 * rate(start):.1f} % ({start_flips} of its first {study['n_test']} outcomes differ from the study's).", "",
-             "| arm | seed | incumbent round | target test % | − start (points) | tasks up / down | exact sign test p | "
+             f"| arm | seed | incumbent round | {world} test % | − start (points) | tasks up / down | exact sign test p | "
              f"outcomes that differ from the first {study['n_test']} |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["arm"], r["seed"])):
         if not r["retested"]:
             lines.append(f"| {r['arm']} | {r['seed']} | {r['incumbent_round']} | not retested (its work folder is gone) | | | | |")
             continue
-        lines.append(f"| {r['arm']} | {r['seed']} | {r['incumbent_round']} | {100 * r['target']:.1f} | "
-                     f"{pct(r['target_vs_start'])} | {r['up']} / {r['down']} | {r['sign_test_p']:.3g} | "
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['incumbent_round']} | {100 * r[world]:.1f} | "
+                     f"{pct(r[f'{world}_vs_start'])} | {r['up']} / {r['down']} | {r['sign_test_p']:.3g} | "
                      + ("(the start)" if r["incumbent_round"] == 0 else str(r["flips_against_n_test"])) + " |")
     md = "\n".join(lines) + "\n"
-    (out / f"retest-n{a.n}.md").write_text(md)
+    (out / f"{name}.md").write_text(md)
     print(md)
 
 
@@ -489,6 +495,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128, help="Test tasks per world and evaluation.")
     ap.add_argument("--jobs", type=int, default=1, help="Runs side by side (give each LOPD_THREADS=1).")
     ap.add_argument("--set", action="append", default=[], help="A recipe override for every run.")
+    ap.add_argument("--world", choices=["target", "retain"], default="target", help="retest: which test split.")
     a = ap.parse_args()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
