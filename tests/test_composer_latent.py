@@ -98,6 +98,26 @@ def test_views_differ_and_keep_grad_flags(setup):
     assert adapter_of("base_model.model.model.layers.0.mlp.up_proj.lora_B.encoder.weight") == ENCODER
 
 
+def test_nested_views_restore_the_outer_one(setup):
+    """A view inside another ends on the outer view: an inner teacher view leaves the adapters
+    off until the outer one ends, and the active adapter comes back after the encoder's."""
+    model, *_ = setup
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        s = model(x).logits
+        with teacher_view(model):
+            t = model(x).logits
+            with teacher_view(model):
+                pass
+            assert torch.equal(model(x).logits, t)
+        with use_encoder(model):
+            e = model(x).logits
+            with teacher_view(model):
+                assert torch.equal(model(x).logits, t)
+            assert torch.equal(model(x).logits, e)
+        assert model.active_adapter == "student" and torch.equal(model(x).logits, s)
+
+
 def test_teacher_loss_grads_reach_chi_and_psi_only(setup):
     model, tok, recipe, composer = setup
     eps = [episode(tok, 4821, 2), episode(tok, 77, 1)]
