@@ -49,6 +49,9 @@ incumbent in OUT/study.json, paired (OUT/retest-nN.json and .md; the issue asks 
     LOPD_THREADS=1 python benchmarks/retention_study.py retest --model smollm2 --project "$PROJECT" \
         --out benchmarks/results/retention_study_smollm2 -n 128 --jobs 2 [--world retain]
 
+Once both worlds are retested at one n, OUT/retest-nN.png plots them as study.png plots the study.
+`plot --out OUT` redraws both plots from the files in OUT.
+
 What it simplifies: with `--model tiny` (the default), the 1.1M model stands in for SmolLM2-135M
 (one SmolLM2 SFT step costs minutes on 2 cores, an arm of rounds hours); with `--model smollm2`
 the rounds are a few steps and the test splits 64 tasks, what this CPU allows. Evolve's own gate
@@ -378,28 +381,76 @@ def table(results: list[dict], start: dict, val_n: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict], out: Path) -> None:
+def study_points(results: list[dict]) -> list[dict]:
+    """(arm, seed, target − start, retention − start) in points, from study.json's runs."""
+    return [{"arm": r["arm"], "seed": r["seed"], "x": 100 * r["target_vs_start"]["mean"],
+             "y": 100 * r["retain_vs_start"]["mean"]} for r in results]
+
+
+def retest_points(target: dict, retain: dict) -> list[dict]:
+    """The same, from the two retests at one n (retest-nN.json, retest-retain-nN.json): the runs
+    retested on both worlds."""
+    kept = {(r["arm"], r["seed"]): r for r in retain["runs"] if r["retested"]}
+    return [{"arm": r["arm"], "seed": r["seed"], "x": 100 * r["target_vs_start"]["mean"],
+             "y": 100 * kept[(r["arm"], r["seed"])]["retain_vs_start"]["mean"]}
+            for r in target["runs"] if r["retested"] and (r["arm"], r["seed"]) in kept]
+
+
+def shared_spots(points: list[dict]) -> dict[tuple[float, float], list[str]]:
+    """The spots where two or more runs land (to 0.01 points), with the runs' names."""
+    spots: dict[tuple[float, float], list[str]] = {}
+    for p in points:
+        spots.setdefault((round(p["x"], 2), round(p["y"], 2)), []).append(f"{p['arm']} s{p['seed']}")
+    return {xy: sorted(names) for xy, names in spots.items() if len(names) > 1}
+
+
+def plot(points: list[dict], out: Path, title: str = "evolve arms: what each gained and kept") -> None:
+    """Target against retention per run, each arm's mean as an X. Runs that land on the same spot
+    (unchanged incumbents sit on (0, 0)) are named beside it, so none is hidden."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 5), constrained_layout=True)
-    for i, arm in enumerate(sorted({r["arm"] for r in results})):
-        runs = [r for r in results if r["arm"] == arm]
-        xs = [100 * r["target_vs_start"]["mean"] for r in runs]
-        ys = [100 * r["retain_vs_start"]["mean"] for r in runs]
+    for i, arm in enumerate(sorted({p["arm"] for p in points})):
+        runs = [p for p in points if p["arm"] == arm]
+        xs, ys = [p["x"] for p in runs], [p["y"] for p in runs]
         c = plt.get_cmap("tab10")(i)
         ax.scatter(xs, ys, color=c, alpha=0.6)
         ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=c, marker="X", s=120, label=f"{arm} (mean)")
+    for (x, y), names in shared_spots(points).items():
+        ax.annotate(f"{len(names)} runs: " + ", ".join(sorted(names)), (x, y), xytext=(6, -4),
+                        textcoords="offset points", fontsize=6, va="top", wrap=True)
     ax.axhline(0, color="grey", lw=0.8)
     ax.axvline(0, color="grey", lw=0.8)
     ax.set_xlabel("target test success − start (points, paired)")
     ax.set_ylabel("retention test success − start (points, paired)")
-    ax.set_title("evolve arms: what each gained and kept")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def replot(out: Path) -> list[Path]:
+    """Redraw OUT/study.png from study.json, and OUT/retest-nN.png wherever both worlds were
+    retested at n = N."""
+    if not (out / "study.json").exists():
+        sys.exit(f"{out}: no study.json here (run `run` first)")
+    study = json.loads((out / "study.json").read_text())
+    plot(study_points(study["runs"]), out / "study.png",
+         f"evolve arms: what each gained and kept (n = {study['n_test']})")
+    drawn = [out / "study.png"]
+    for target_file in sorted(out.glob("retest-n*.json")):
+        n = target_file.stem.removeprefix("retest-n")
+        retain_file = out / f"retest-retain-n{n}.json"
+        if retain_file.exists():
+            png = out / f"retest-n{n}.png"
+            plot(retest_points(json.loads(target_file.read_text()), json.loads(retain_file.read_text())), png,
+                 f"evolve arms: what each gained and kept (retested, n = {n})")
+            drawn.append(png)
+    return drawn
 
 
 def sign_test(up: int, down: int) -> float:
@@ -483,8 +534,8 @@ def retest(a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["prepare", "coldstart", "run", "retest"])
-    ap.add_argument("--project", type=Path, required=True)
+    ap.add_argument("what", choices=["prepare", "coldstart", "run", "retest", "plot"])
+    ap.add_argument("--project", type=Path, help="The study's project folder (every command but plot).")
     ap.add_argument("--model", choices=sorted(PROFILES), default="tiny", help="Which study (PROFILES).")
     ap.add_argument("--base", choices=["both", "retain", "none"], default="both",
                     help="Where the backbone itself is scored too: both test splits, the retention world's, none.")
@@ -497,6 +548,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="A recipe override for every run.")
     ap.add_argument("--world", choices=["target", "retain"], default="target", help="retest: which test split.")
     a = ap.parse_args()
+    if a.what == "plot":
+        print("\n".join(str(p) for p in replot(a.out)))
+        return
+    if a.project is None:
+        ap.error(f"{a.what} needs --project")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
     a.project = a.project.resolve()
@@ -510,6 +566,7 @@ def main() -> None:
     a.work = (a.out / "work").resolve()
     if a.what == "retest":  # reads a finished study: makes no folder before it has checked OUT
         retest(a)
+        replot(a.out)
         return
     a.work.mkdir(parents=True, exist_ok=True)
     start = start_scores(a)
@@ -529,7 +586,7 @@ def main() -> None:
                                                   "arms": sorted({r["arm"] for r in results}),
                                                   "n_test": a.n, "runs": results}, indent=1))
     (a.out / "study.md").write_text(md)
-    plot(results, a.out / "study.png")
+    replot(a.out)
     print(md)
 
 

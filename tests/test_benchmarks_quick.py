@@ -301,3 +301,31 @@ def test_retention_retest_without_a_study_makes_no_folder(tmp_path):
                           "--project", str(tmp_path / "p"), "--out", str(out)], capture_output=True, text=True)
     assert res.returncode == 1 and res.stderr.strip() == f"{out}: no study.json and start.json here (run `run` first)"
     assert not out.exists()
+
+
+def test_retention_plots_pair_the_two_retests_and_name_runs_that_share_a_spot(tmp_path):
+    rs = _benchmark_module("retention_study")
+    iv = lambda m: {"mean": m, "low": m - 0.01, "high": m + 0.01, "n": 128}  # noqa: E731
+    run = lambda arm, seed, world, m, retested=True: {"arm": arm, "seed": seed, "retested": retested,  # noqa: E731
+                                                      **({f"{world}_vs_start": iv(m)} if retested else {})}
+    target = {"runs": [run("sft", 0, "target", 0.1), run("lopd", 0, "target", 0.0), run("grpo", 0, "target", 0.0),
+                       run("sdpo", 0, "target", 0.02, retested=False)]}
+    retain = {"runs": [run("sft", 0, "retain", -0.05), run("lopd", 0, "retain", 0.0), run("grpo", 0, "retain", 0.0),
+                       run("sdpo", 0, "retain", 0.0)]}
+    points = rs.retest_points(target, retain)
+    assert [(p["arm"], round(p["x"], 6), round(p["y"], 6)) for p in points] == [("sft", 10.0, -5.0), ("lopd", 0.0, 0.0),
+                                                                                  ("grpo", 0.0, 0.0)]
+    assert rs.shared_spots(points) == {(0.0, 0.0): ["grpo s0", "lopd s0"]}
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="no study.json"):
+        rs.replot(out)
+    out.mkdir()
+    study = {"n_test": 64, "runs": [{"arm": r["arm"], "seed": 0, "target_vs_start": iv(0.0), "retain_vs_start": iv(0.0)}
+                                    for r in target["runs"]]}
+    (out / "study.json").write_text(json.dumps(study))
+    (out / "retest-n128.json").write_text(json.dumps(target))
+    assert rs.replot(out) == [out / "study.png"]  # one world retested: no retest plot yet
+    (out / "retest-retain-n128.json").write_text(json.dumps(retain))
+    assert rs.replot(out) == [out / "study.png", out / "retest-n128.png"]
+    assert all(p.stat().st_size > 0 for p in rs.replot(out))
