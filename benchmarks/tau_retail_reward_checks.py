@@ -50,7 +50,7 @@ def other_variant(item_id: str) -> str:
 def succeeding(actions: list[dict]) -> list[bool]:
     """Whether each gold action succeeds when the actions are replayed in order."""
     server = tr._package()
-    db, ok = copy.deepcopy(server._base_db()), []
+    db, ok = tr.fresh_db(), []
     for a in actions:
         try:
             server._execute_tool(db, a["name"], copy.deepcopy(a["arguments"]))
