@@ -2,9 +2,9 @@
 
 Sharded (per-layer gathering, the default, and gather-once): 2 gloo processes under torchrun give
 the losses and updated weights of 1 process over 2 LOPD and 2 SFT steps, for a LoRA and a full
-student (and with activation checkpointing on); ranks whose steps differ (composer rows on one
-rank only, different micro-batch counts, cached latents) keep the uniform schedule and do not
-hang; a SIGKILLed sharded run resumes to what an uninterrupted one gives;
+student (and with activation checkpointing on), and over 2 GRPO and 2 SDPO steps for a LoRA
+student; ranks whose steps differ (composer rows on one rank only, different micro-batch counts,
+cached latents) keep the uniform schedule and do not hang; a SIGKILLed sharded run resumes to what an uninterrupted one gives;
 `lopd export --merge-lora` turns a sharded checkpoint into a plain transformers model.
 Teacher: a full student's teacher is a frozen copy (base or init) or the student itself (live);
 a LoRA student's live teacher reads its adapter; the composer objective never trains θ."""
@@ -282,6 +282,23 @@ def test_sdpo_under_per_layer_fsdp_matches_one_process(project):
     m2 = read_metrics(two)
     assert sum(r["distilled_rollouts"] for r in m2) > 0 and any(r["loss"] > 0 for r in m2)
     assert _max_metric_diff(read_metrics(one), m2) <= TOL
+    assert _max_weight_diff(one / "checkpoints" / "step_2", two / "checkpoints" / "step_2") <= TOL
+
+
+@pytest.mark.slow
+def test_grpo_under_per_layer_fsdp_matches_one_process(project):
+    """GRPO's groups (2 episodes of a task) fall within one rank's half of the batch, so 2 sharded
+    processes give the advantages, losses and weights of 1 process. The rollouts are longer than
+    FAST's so that a group's rewards differ and the update is not zero."""
+    from lopd_cli.train.loop import train
+
+    sets = ["train.algo=grpo", "train.steps=2", "rollout.max_new_tokens=64", "rollout.max_turns=3"]
+    train(project, project.load_recipe("toolcall", SETS + sets), project.runs_dir / "grpo-one")
+    _check(_train_cmd(project, "grpo-fsdp", sets + FSDP, nproc=2), timeout=300)
+    one, two = project.runs_dir / "grpo-one", project.runs_dir / "grpo-fsdp"
+    m1, m2 = read_metrics(one), read_metrics(two)
+    assert [r["step"] for r in m2] == [1, 2] and any(r["adv_abs"] > 0 and r["grad_norm_student"] > 0 for r in m2), m2
+    assert _max_metric_diff(m1, m2) <= TOL
     assert _max_weight_diff(one / "checkpoints" / "step_2", two / "checkpoints" / "step_2") <= TOL
 
 
