@@ -4,8 +4,9 @@ Sharded (per-layer gathering, the default, and gather-once): 2 gloo processes un
 the losses and updated weights of 1 process over 2 LOPD and 2 SFT steps, for a LoRA and a full
 student (and with activation checkpointing on), and over 2 GRPO and 2 SDPO steps for a LoRA
 student; ranks whose steps differ (composer rows on one rank only, different micro-batch counts,
-cached latents) keep the uniform schedule and do not hang; a SIGKILLed sharded run resumes to what an uninterrupted one gives;
-`lopd export --merge-lora` turns a sharded checkpoint into a plain transformers model.
+cached latents) keep the uniform schedule and do not hang; a SIGKILLed sharded run resumes to
+what an uninterrupted one gives; `lopd export --merge-lora` turns a sharded checkpoint into a
+plain transformers model.
 Teacher: a full student's teacher is a frozen copy (base or init) or the student itself (live);
 a LoRA student's live teacher reads its adapter; the composer objective never trains θ."""
 
