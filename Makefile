@@ -29,11 +29,16 @@ $(STAMP): pyproject.toml constraints.txt lock.txt Makefile
 demo: setup
 	$(BIN)/lopd demo
 
+# The suite in JOBS pytest workers of one thread each (two processes that each use both cores
+# slow each other down; one thread each does not). `make test JOBS=0` runs the tests one at a time.
+JOBS ?= 2
+TEST_ENV := HF_HUB_OFFLINE=1 LOPD_THREADS=1 OMP_NUM_THREADS=1
+
 test: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(JOBS)
 
 test-fast: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow"
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(JOBS) -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
