@@ -236,3 +236,23 @@ def test_the_recipes_larger_training_pool_leaves_validation_and_test_as_they_wer
     for split in ("validation", "test"):
         a, b = big.tasks(split), small.tasks(split)
         assert [(t.id, t.instruction, t.data) for t in a] == [(t.id, t.instruction, t.data) for t in b]
+
+
+def test_a_splits_tasks_are_made_once_and_episodes_leave_them_as_made():
+    """`OrdersEnv.tasks` keeps each split's tasks per process (envs.orders.split_tasks): a second
+    env gets the same Task objects in a list of its own, and running episodes on them (the
+    oracle, a wrong call) changes none of their data, so a cached task is what a fresh one is."""
+    import pickle
+
+    from lopd_cli.envs.orders import SPLIT_ORDER, split_tasks
+
+    env = OrdersEnv(house_rules=True, n_train=40, n_validation=8, n_test=8)
+    first = env.tasks("test")
+    again = OrdersEnv(house_rules=True, n_train=40, n_validation=8, n_test=8).tasks("test")
+    assert again is not first and all(a is b for a, b in zip(first, again))
+    for t in first:
+        solve(t)
+        solve(t, calls=[ToolCall("cancel_order", {"order_id": t.data["plan"][0]["arguments"].get("order_id", 0)})])
+    fresh = split_tasks.__wrapped__("test", (40, 8, 8), env.rules_seed)
+    assert pickle.dumps(first) == pickle.dumps(list(fresh))
+    assert [len(env.tasks(s)) for s in SPLIT_ORDER] == [40, 8, 8]

@@ -28,6 +28,7 @@ handful of templates, so the variety is in the data, not the language.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import random
 from typing import Any
@@ -326,6 +327,18 @@ def generate_tasks(split: str, n: int, exclude: set[str] = frozenset(), rules_se
     return tasks
 
 
+@functools.lru_cache(maxsize=8)
+def split_tasks(split: str, sizes: tuple[int, int, int], rules_seed: int | None) -> tuple[Task, ...]:
+    """The tasks of `split` when the splits (train, validation, test) have `sizes`: each split
+    skips every task an earlier split holds. Kept per process: a run asks for the same splits
+    many times, and generating them costs about a millisecond a task. Tasks are not modified
+    after they are made (environments copy the database they start from)."""
+    seen: set[str] = set()
+    for earlier in SPLIT_ORDER[: SPLIT_ORDER.index(split)]:
+        seen |= {task_fingerprint(t) for t in split_tasks(earlier, sizes, rules_seed)}
+    return tuple(generate_tasks(split, sizes[SPLIT_ORDER.index(split)], seen, rules_seed))
+
+
 def task_fingerprint(task: Task) -> str:
     """Instruction + starting database: two tasks are the same task when both match."""
     return task.instruction + json.dumps(task.data["db"], sort_keys=True)
@@ -401,10 +414,7 @@ class OrdersEnv:
     def tasks(self, split: str) -> list[Task]:
         if split not in self.sizes:
             raise LopdError(f"orders: unknown split '{split}' (train, validation or test)")
-        seen: set[str] = set()
-        for earlier in SPLIT_ORDER[: SPLIT_ORDER.index(split)]:
-            seen |= {task_fingerprint(t) for t in generate_tasks(earlier, self.sizes[earlier], seen, self.rules_seed)}
-        return generate_tasks(split, self.sizes[split], seen, self.rules_seed)
+        return list(split_tasks(split, tuple(self.sizes[s] for s in SPLIT_ORDER), self.rules_seed))
 
     def reset(self, task: Task) -> list[dict]:
         self.task = task
