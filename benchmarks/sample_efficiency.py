@@ -504,7 +504,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.seeds, a.coldstart_steps, a.sft_steps = a.seeds[:1], 2, 2
         a.team_logs = a.team_logs or 8
         a.set = ["rollout.max_new_tokens=32", "rollout.max_turns=3", "train.grpo.group_size=2",
-                 "bank.min_reward=0.0", "bank.n_retrieve=1"] + a.set
+                 "bank.min_reward=0.0", "bank.n_retrieve=1", "coldstart.val_n=8"] + a.set
     if a.bank >= a.budget:
         p.error("--bank must be below --budget")
     budgets = {}

@@ -34,7 +34,7 @@ def test_demo_runs_keep_the_projects_world_and_only_its_test_eval_is_larger(tmp_
 
 # Every stage with tiny sizes: coldstart, LOPD and each training step once, one evolve round on 4
 # tasks, 6 test tasks; the user's --set goes last, so it sizes the test evaluations too.
-SMOKE = ["coldstart.steps=1", "coldstart.eval_every=1", "train.steps=1", "train.save_every=1",
+SMOKE = ["coldstart.steps=1", "coldstart.eval_every=1", "coldstart.val_n=8", "train.steps=1", "train.save_every=1",
          "rollout.rollouts_per_step=4", "rollout.batch_size=4", "rollout.max_new_tokens=32", "evolve.rounds=1",
          "evolve.steps=1", "evolve.tasks_per_round=4", "evolve.val_n=4", "train.sft.batch=4", "eval.n=6"]
 
