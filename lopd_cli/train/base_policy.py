@@ -50,7 +50,6 @@ the batch, which makes a step several times cheaper than padding full conversati
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import shutil
@@ -95,19 +94,11 @@ def base_policy_tasks(n: int, rules_seed: int | None = BASE_POLICY_RULES_SEED) -
     """The base policy's own orders tasks: a seed range no train, validation or test task comes
     from (and any task that an env split also holds is skipped), so every diagnostic and
     evaluation of a project scores tasks the base policy never saw."""
-    from lopd_cli.envs.orders import generate_tasks
+    from lopd_cli.envs.orders import generate_tasks, task_fingerprint
 
-    return generate_tasks("base", n, _env_split_fingerprints(), rules_seed)
-
-
-@functools.lru_cache(maxsize=1)
-def _env_split_fingerprints() -> frozenset[str]:
-    """Every task of the default orders env's splits, with and without house rules (a few
-    seconds to generate; a build asks three times)."""
-    from lopd_cli.envs.orders import task_fingerprint
-
-    return frozenset(task_fingerprint(t) for hr in (False, True) for s in ("train", "validation", "test")
-                     for t in OrdersEnv(house_rules=hr).tasks(s))
+    held = {task_fingerprint(t) for hr in (False, True) for s in ("train", "validation", "test")
+            for t in OrdersEnv(house_rules=hr).tasks(s)}
+    return generate_tasks("base", n, held, rules_seed)
 
 
 def _examples(tokenizer, tasks: list[Task], rng: random.Random, noise: float, reference_fraction: float = 0.0,
