@@ -362,6 +362,9 @@ class EvalSection(Section):
     n: int | None = Field(None, ge=1, description="Tasks `lopd eval` scores; null: the whole split.")
     temperature: float = Field(
         0.0, ge=0.0, description="Sampling temperature of validation and `lopd eval` (0: greedy).")
+    batch_size: int | None = Field(
+        None, ge=1, description="Episodes generated at once by validation, the gate and `lopd eval`; "
+                                "null: rollout.batch_size (greedy: only float rounding depends on it).")
     # bank.min_reward is a different thing: which rollouts the bank keeps.
     success_threshold: float = Field(
         1.0, ge=0.0, le=1.0,
@@ -438,6 +441,13 @@ class Recipe(Section):
     @property
     def base_dir(self) -> Path:
         return self.source.parent if self.source else Path.cwd()
+
+    @property
+    def eval_rollout(self) -> RolloutSection:
+        """`rollout` for scoring (validation, evolve's gate, `lopd eval`): eval.batch_size at a time."""
+        if self.eval.batch_size is None:
+            return self.rollout
+        return self.rollout.model_copy(update={"batch_size": self.eval.batch_size})
 
     @model_validator(mode="before")
     @classmethod

@@ -201,3 +201,29 @@ def test_reward_plugin_overrides_env_reward(tiny, tasks):
     eps = run_episodes(None, tok, OrdersEnv, tasks[:2], RolloutSection(), backend=scripted(tok, tasks[:2]), reward_fn=score)
     assert [e.reward for e in eps] == [0.25, 0.25]
     assert seen == [(t.id, t.data["answer"]) for t in tasks[:2]]
+
+
+def test_eval_batch_size_sets_how_many_episodes_scoring_generates_at_once(tiny, monkeypatch):
+    """eval.batch_size: `lopd eval`, validation and the gate generate that many episodes at a time
+    (null: rollout.batch_size); greedy, the episodes are the same tokens either way."""
+    from lopd_cli.config import Recipe
+    from lopd_cli.results.evaluate import run_eval
+    from lopd_cli.rollout.hf import HFBackend
+
+    opened: list[int] = []
+    open_batch = HFBackend.open_batch
+    monkeypatch.setattr(HFBackend, "open_batch", lambda self, n: opened.append(n) or open_batch(self, n))
+    model, tok = tiny
+    base = {"model": {"backbone": "tiny"},
+            "env": {"class": "lopd_cli.envs.orders:OrdersEnv", "kwargs": {"n_train": 16, "n_validation": 4, "n_test": 6}},
+            "rollout": {"batch_size": 2, "max_new_tokens": 24, "max_turns": 2}}
+    per_rollout = Recipe.model_validate(base)
+    assert per_rollout.eval_rollout is per_rollout.rollout
+    _, eps_2 = run_eval(per_rollout, model, tok, "b2")
+    assert opened == [2, 2, 2]
+    opened.clear()
+    per_eval = Recipe.model_validate({**base, "eval": {"batch_size": 6}})
+    assert per_eval.eval_rollout.batch_size == 6 and per_eval.rollout.batch_size == 2  # sampling keeps its own
+    _, eps_6 = run_eval(per_eval, model, tok, "b6")
+    assert opened == [6]
+    assert [e.input_ids for e in eps_6] == [e.input_ids for e in eps_2]

@@ -60,9 +60,10 @@ def other_value(default):
 
 
 def test_every_key_and_section_has_a_one_line_description():
-    assert len(LEAVES) == 152  # 107 + the 16 evolve keys + train.parallel + train.activation_checkpointing
+    assert len(LEAVES) == 153  # 107 + the 16 evolve keys + train.parallel + train.activation_checkpointing
     # + train.teacher_ema_rate + train.teacher_from + train.sdpo's 5 + train.fsdp_gather + train.teacher_dtype
     # + env.mcp's 13 keys and its reset hook's 2 + rollout.server_url, server_adapter_dir, server_timeout_s
+    # + eval.batch_size
     for key, field in LEAVES.items():
         d = field.description or ""
         assert d.strip() and "\n" not in d and len(d) <= 140, key

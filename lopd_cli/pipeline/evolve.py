@@ -561,7 +561,7 @@ def _validate(run: EvolveRun, checkpoint: str | None, out: Path, label: str, rec
     model, tok, produced_by = _load_policy(run, checkpoint)
     load_s = time.perf_counter() - t0
     with torch.no_grad(), counter(f"validate {label}", len(tasks)) as tick:
-        eps = run_episodes(model, tok, env_factory, tasks, r.rollout, seed=VALIDATION_SEED, reward_fn=load_reward(r),
+        eps = run_episodes(model, tok, env_factory, tasks, r.eval_rollout, seed=VALIDATION_SEED, reward_fn=load_reward(r),
                            progress=tick, temperature=0.0,
                            meta={**produced_by, "split": "validation", "phase": "evolve-validation",
                                  "evolve_run": run.name})

@@ -193,7 +193,7 @@ def run_eval(recipe, model, tokenizer, label: str, split: str | None = None, n: 
     env_factory = make_env_factory(recipe)
     tasks = eval_tasks(env_factory, split or recipe.eval.split, n if n is not None else recipe.eval.n)
     episodes = run_episodes(
-        model, tokenizer, env_factory, tasks, recipe.rollout, seed=recipe.train.seed,
+        model, tokenizer, env_factory, tasks, recipe.eval_rollout, seed=recipe.train.seed,
         reward_fn=load_reward(recipe), progress=progress, temperature=recipe.eval.temperature,
         meta={"model": label, "split": split or recipe.eval.split},
     )

@@ -487,7 +487,7 @@ def validate(tr: Trainer, step: int) -> dict[str, Any]:
     lo, hi = dist.shard_range(len(tasks))
     tr.model.eval()
     with torch.no_grad(), ad.use_student(tr.model):
-        eps = run_episodes(tr.model, tr.tokenizer, tr.env_factory, tasks[lo:hi], tr.recipe.rollout,
+        eps = run_episodes(tr.model, tr.tokenizer, tr.env_factory, tasks[lo:hi], tr.recipe.eval_rollout,
                            seed=10_007 + step, reward_fn=tr.reward_fn, temperature=tr.recipe.eval.temperature,
                            meta={"phase": "validation"}, index_offset=lo)
     s = summarize(dist.gather_lists(eps), success_threshold=tr.recipe.eval.success_threshold)
