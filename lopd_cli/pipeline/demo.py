@@ -44,13 +44,14 @@ DEMO_OVERRIDES = ["eval.n=128", "coldstart.steps=40", "coldstart.eval_every=40",
 # those rollouts): that candidate is SFT's single pass. Each later round rolls out the incumbent,
 # adds the episodes to the bank and trains the incumbent further on the grown bank; the gate keeps
 # the better one on the validation tasks.
+# eval.batch_size: the gate's greedy validation (64 tasks) in one batch; sampling stays at 32.
 EVOLVE_OVERRIDES = ["evolve.rounds=5", "evolve.start=incumbent", "evolve.steps=48", "evolve.tasks_per_round=256",
-                    "evolve.samples_per_task=1", "train.sft.batch=32", "rollout.batch_size=32"]
+                    "evolve.samples_per_task=1", "train.sft.batch=32", "rollout.batch_size=32", "eval.batch_size=64"]
 # The test evaluations only: 256 test tasks (the environment's first 128 and 128 more), because
 # rounds gain a few points over SFT's single pass and on 128 tasks a paired interval is about ±7
 # points wide. Not given to the runs, so their recipe.yaml names the project's world and
-# `lopd eval --checkpoint runs/evolve` works without --recipe.
-TEST_OVERRIDES = ["eval.n=256", "env.kwargs.n_test=256"]
+# `lopd eval --checkpoint runs/evolve` works without --recipe. Greedy, 64 episodes at a time.
+TEST_OVERRIDES = ["eval.n=256", "env.kwargs.n_test=256", "eval.batch_size=64"]
 AGENT_LOGS = 96  # of training tasks; plus one log per validation task (the check's held-out successes)
 DEMO_MARKER = ".lopd-demo"
 
