@@ -1,7 +1,7 @@
 """`lopd evolve` and `lopd rollout --checkpoint`: a round puts the student's episodes in the bank
 with provenance, the paired gate keeps a worse student out, the budget stops a run, auto says
 why it chose its method, a SIGKILL mid-round then --resume ends where an uninterrupted run
-does, and bad input is a one-line error."""
+does, bad input is a one-line error, and the gate scores eval.batch_size episodes at a time."""
 
 import copy
 import json
@@ -387,3 +387,26 @@ def test_the_study_script_runs_end_to_end(template, tmp_path):
         assert "evolve.rollout_budget" in run["stopped"]
     assert {row["vs_sft_pass"]["n"] for row in data["summary"]} == {2}
     assert (out / "study.png").stat().st_size > 0 and "| **sft** | mean ± sd |" in (out / "study.md").read_text()
+
+
+def test_the_gate_and_training_validation_generate_eval_batch_size_episodes_at_once(template, tmp_path, monkeypatch):
+    """eval.batch_size reaches evolve's gate (`_validate`) and `train.eval_every`'s validation;
+    rollout.batch_size stays what training samples with."""
+    from lopd_cli.pipeline.evolve import EvolveRun, _load_recipe, _validate
+    from lopd_cli.rollout.hf import HFBackend
+    from lopd_cli.train.loop import build_trainer, validate
+
+    opened: list[int] = []
+    open_batch = HFBackend.open_batch
+    monkeypatch.setattr(HFBackend, "open_batch", lambda self, n: opened.append(n) or open_batch(self, n))
+    path = template.recipes_dir / "toolcall.yaml"
+    r = _load_recipe(path, [*SMALL, "rollout.batch_size=1", "rollout.max_new_tokens=8", "eval.batch_size=3"])
+    assert r.rollout.batch_size == 1
+    run = EvolveRun(template, r, path, [], tmp_path / "ev", {"algo": "sft"})
+    gate = _validate(run, None, tmp_path / "ev" / "validation.jsonl", "start")
+    assert opened == [3] and len(gate["task_ids"]) == 3  # evolve.val_n=3 in one batch, not three of 1
+
+    opened.clear()
+    sets = ["train.algo=grpo", "rollout.batch_size=1", "rollout.max_new_tokens=8", "train.eval_n=4", "eval.batch_size=2"]
+    tr = build_trainer(template, template.load_recipe("toolcall", sets), tmp_path / "train", show_progress=False)
+    assert validate(tr, 1)["eval/n"] == 4 and opened == [2, 2]
